@@ -1,0 +1,2 @@
+"""kosmos ops: the contract between graph passes and kernels (schemas, fake and reference impls)."""
+from kosmos.ops.tp import ag_gemm, gemm_rs  # noqa: F401  (registers torch.ops.kosmos.*)

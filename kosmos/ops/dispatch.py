@@ -1,0 +1,34 @@
+"""Chooses, per call, between a fused CUDA impl (registered by kosmos.kernels) and the reference impl."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from kosmos.reporting import PassRecord, record, record_run
+
+# op name -> (why_not(*args) -> reason or None, run(*args))
+_fused: dict[str, tuple[Callable[..., Optional[str]], Callable]] = {}
+
+
+def register_fused(op: str, why_not: Callable[..., Optional[str]], run: Callable) -> None:
+    _fused[op] = (why_not, run)
+
+
+def why_reference(op: str, device: torch.device, *args) -> Optional[str]:
+    """The reason `op` would take the reference impl on these args, or None when the fused impl runs."""
+    if device.type != "cuda":
+        return f"{device.type} tensors (fused kernels need CUDA)"
+    if op not in _fused:
+        return "no fused CUDA kernel registered for this op"
+    return _fused[op][0](*args) if args else None
+
+
+def fused_impl(op: str, device: torch.device, *args) -> Optional[Callable]:
+    """The fused impl to run on `args`, or None; records which impl ran and why."""
+    reason = why_reference(op, device, *args)
+    if reason is None:
+        record_run(op, "fused", "supported")
+        return _fused[op][1]
+    record_run(op, "reference", reason)
+    return None

@@ -1,0 +1,1 @@
+"""Graph passes: match communication + computation subgraphs and rewrite them into kosmos ops."""

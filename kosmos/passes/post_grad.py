@@ -1,0 +1,23 @@
+"""Post-grad pass stage (forward and backward graphs): TP+SP collective + matmul fusion."""
+from __future__ import annotations
+
+import torch
+
+from kosmos.options import KosmosOptions
+
+
+def graph_kind(graph: torch.fx.Graph) -> str:
+    """'backward' for graphs taking tangents, 'forward' for training forwards, else 'inference'."""
+    names = [n.name for n in graph.find_nodes(op="placeholder")]
+    if any(n.startswith("tangents") for n in names):
+        return "backward"
+    if any(n.startswith("primals") for n in names):
+        return "forward"
+    return "inference"
+
+
+def run(graph: torch.fx.Graph, options: KosmosOptions) -> None:
+    if options.tp_sp:
+        from kosmos.passes import tp_sp
+
+        tp_sp.run(graph, graph_kind(graph), options)

@@ -1,0 +1,87 @@
+"""What kosmos did to a model: rewrites and candidates left alone (pass time), and which impl ran (run time)."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+from typing import Optional
+
+log = logging.getLogger("kosmos")
+
+
+@dataclasses.dataclass
+class PassRecord:
+    """One candidate subgraph a pass looked at."""
+
+    kind: str  # "ag_gemm", "gemm_rs", "all_reduce", "moe_layer", ...
+    graph: str  # "forward", "backward", "inference" or "pre-grad"
+    rewritten: bool
+    reason: str  # why it was left alone, or what the rewrite covers
+    nodes: tuple[str, ...] = ()  # graph nodes the candidate consisted of
+    shapes: dict = dataclasses.field(default_factory=dict)
+    impl: Optional[str] = None  # "fused" or "reference", for rewrites
+    impl_reason: str = ""
+
+    def line(self) -> str:
+        status = "rewritten" if self.rewritten else "left alone"
+        shapes = " ".join(f"{k}={v}" for k, v in self.shapes.items())
+        impl = f" -> {self.impl} ({self.impl_reason})" if self.impl else ""
+        return f"[{self.graph}] {self.kind}: {status}: {self.reason}{impl} {shapes}".rstrip()
+
+
+@dataclasses.dataclass
+class Report:
+    """Snapshot of everything recorded since the last `reset()`."""
+
+    records: list[PassRecord]
+    runtime: dict  # (op, impl, reason) -> calls
+
+    @property
+    def rewrites(self) -> list[PassRecord]:
+        return [r for r in self.records if r.rewritten]
+
+    @property
+    def left_alone(self) -> list[PassRecord]:
+        return [r for r in self.records if not r.rewritten]
+
+    def count(self, kind: Optional[str] = None, graph: Optional[str] = None) -> int:
+        return sum(1 for r in self.rewrites if kind in (None, r.kind) and graph in (None, r.graph))
+
+    def __str__(self) -> str:
+        lines = [f"kosmos: {len(self.rewrites)} rewritten, {len(self.left_alone)} left alone"]
+        lines += ["  " + r.line() for r in self.records]
+        for (op, impl, reason), n in sorted(self.runtime.items()):
+            lines.append(f"  run: {op} -> {impl} x{n} ({reason})")
+        return "\n".join(lines)
+
+
+_lock = threading.Lock()
+_records: list[PassRecord] = []
+_runtime: collections.Counter = collections.Counter()
+
+
+def record(rec: PassRecord) -> None:
+    with _lock:
+        _records.append(rec)
+    (log.info if rec.rewritten else log.debug)("%s", rec.line())
+
+
+def record_run(op: str, impl: str, reason: str) -> None:
+    key = (op, impl, reason)
+    with _lock:
+        first = key not in _runtime
+        _runtime[key] += 1
+    if first and impl != "fused":
+        log.info("kosmos::%s runs the %s impl: %s", op, impl, reason)
+
+
+def report() -> Report:
+    with _lock:
+        return Report(list(_records), dict(_runtime))
+
+
+def reset() -> None:
+    with _lock:
+        _records.clear()
+        _runtime.clear()

@@ -1,0 +1,135 @@
+"""Test helpers: trace models with the kosmos backend on a fake process group and capture post-grad graphs."""
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+import torch.distributed as dist
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import kosmos
+from kosmos.passes import post_grad
+
+
+class _Capture(CustomGraphPass):
+    """Runs after the kosmos passes (as the user's own post-grad pass) and keeps each graph's code."""
+
+    def __init__(self):
+        self.graphs: list[torch.fx.Graph] = []
+
+    def __call__(self, graph):
+        self.graphs.append(graph)
+        self.codes = getattr(self, "codes", []) + [graph.python_code("self").src]
+
+    def uuid(self):
+        return None  # never cache: the capture must see every graph
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int):
+    """A fake process group of `world_size` ranks (this process is rank 0); collectives do nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def compile_and_capture(fn, *args, backward=True, backend="kosmos", options=None, fullgraph=False):
+    """Compiles and runs fn(*args) (and backward of its first output); returns {"forward"/"backward": graph code}."""
+    torch._dynamo.reset()
+    kosmos.reset_report()
+    cap = _Capture()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=cap, fx_graph_cache=False):
+        compiled = torch.compile(fn, backend=backend, options=options, fullgraph=fullgraph)
+        out = compiled(*args)
+        if backward:
+            o = out if isinstance(out, torch.Tensor) else out[0]
+            if hasattr(o, "to_local"):
+                o = o.to_local()
+            o.float().sum().backward()
+    graphs = {}
+    for code, graph in zip(getattr(cap, "codes", []), cap.graphs):
+        kind = post_grad.graph_kind(graph)
+        graphs.setdefault(kind, []).append(Captured(code, graph))
+    return graphs
+
+
+class Captured:
+    def __init__(self, code, graph):
+        self.code, self.graph = code, graph
+
+
+_KEEP = re.compile(r"torch\.ops\.(kosmos|_c10d_functional)\.|aten\.(mm|addmm|bmm)\.")
+
+
+def skeleton(code: str) -> str:
+    """The communication + matmul lines of a graph (what the TP+SP pass changes), without `x = None` frees."""
+    lines = []
+    kosmos_names = set()
+    for line in code.splitlines():
+        line = line.strip()
+        if not line or line.startswith("def ") or line.startswith("return"):
+            continue
+        line = line.split(";")[0]
+        name, _, rhs = line.partition(" = ")
+        if _KEEP.search(rhs):
+            lines.append(line)
+            if "torch.ops.kosmos." in rhs:
+                kosmos_names.add(name)
+        elif rhs.split("[")[0] in kosmos_names:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def count_ops(code: str, op: str) -> int:
+    return len(re.findall(rf"torch\.ops\.kosmos\.{op}\.default\(", code))
+
+
+_MATMULS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
+_MOVES = (
+    "aten.view.", "aten.reshape.", "aten._unsafe_view.", "aten.split.", "aten.split_with_sizes.", "getitem",
+    "aten.cat.", "aten.slice.", "aten.narrow.", "aten.index.", "aten.as_strided.", "aten.clone.",
+    "prims.convert_element_type.", "aten.permute.", "aten.t.", "aten.expand.", "aten.squeeze.",
+    "aten.unsqueeze.", "_c10d_functional.wait_tensor.", "aten.add.Tensor",
+)
+
+
+def _name(node) -> str:
+    return str(node.target)
+
+
+def unfused_pairs(graph: torch.fx.Graph) -> list[str]:
+    """All-gathers that still reach a matmul, and matmuls that still reach a reduce-scatter, through any
+    data movement (checked independently of the pass's own matcher)."""
+    found = []
+    for node in graph.nodes:
+        if "all_gather_into_tensor" in _name(node):
+            stack, seen = [node], set()
+            while stack:
+                n = stack.pop()
+                for u in n.users:
+                    if u in seen:
+                        continue
+                    seen.add(u)
+                    if any(m in _name(u) for m in _MATMULS):
+                        found.append(f"{node.name} -> {u.name}")
+                    elif any(m in _name(u) for m in _MOVES) and "add.Tensor" not in _name(u):
+                        stack.append(u)
+        if "reduce_scatter_tensor" in _name(node):
+            stack, seen = [node.args[0]], set()
+            while stack:
+                n = stack.pop()
+                if n in seen or not isinstance(n, torch.fx.Node):
+                    continue
+                seen.add(n)
+                if any(m in _name(n) for m in _MATMULS):
+                    found.append(f"{n.name} -> {node.name}")
+                elif any(m in _name(n) for m in _MOVES):
+                    stack.extend(n.all_input_nodes)
+    return found

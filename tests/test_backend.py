@@ -1,0 +1,108 @@
+"""The backend: reachable by name, settings through options=, FX graph cache hits, kill switch, user passes kept."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import kosmos
+from graph_capture import count_ops, fake_world
+
+WORLD = 2
+
+
+def ag_mm(x, w):
+    g = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(x, WORLD, "0"))
+    return (g @ w).relu()
+
+
+def test_entry_point_registered():
+    eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
+    assert any(ep.name == "kosmos" and ep.value == "kosmos.backend:kosmos_backend" for ep in eps)
+
+
+def test_backend_by_name_without_import():
+    code = (
+        "import sys, torch\n"
+        "f = torch.compile(lambda x: x.sin() + 1, backend='kosmos')\n"
+        "print(float(f(torch.ones(3)).sum()))\n"
+        "print('kosmos' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert out.split() == [f"{float((torch.ones(3).sin() + 1).sum())}", "True"]
+
+
+def test_options_validated():
+    with pytest.raises(Exception, match="unknown kosmos options"):
+        torch._dynamo.reset()
+        torch.compile(lambda x: x + 1, backend="kosmos", options={"no_such_option": 1})(torch.ones(2))
+
+
+def _compile_once(options=None):
+    torch._dynamo.reset()
+    kosmos.reset_report()
+    f = torch.compile(ag_mm, backend="kosmos", options=options)
+    return f(torch.randn(4, 8), torch.randn(8, 3))
+
+
+def test_second_compile_hits_fx_graph_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from torch._inductor.utils import fresh_cache
+
+    with fake_world(WORLD), fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True, fx_graph_remote_cache=False):
+        counters.clear()
+        _compile_once()
+        assert kosmos.report().count(kind="ag_gemm") == 1
+        assert counters["inductor"]["fxgraph_cache_miss"] == 1
+        assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+        _compile_once()
+        assert counters["inductor"]["fxgraph_cache_hit"] == 1
+        # a different option changes the pass uuid: a miss, not a stale hit
+        _compile_once(options={"move_cast_before_gather": False})
+        assert counters["inductor"]["fxgraph_cache_miss"] == 2
+
+
+class _UserPass(CustomGraphPass):
+    def __init__(self):
+        self.saw_kosmos_op = None
+
+    def __call__(self, graph):
+        self.saw_kosmos_op = any("kosmos.ag_gemm" in str(n.target) for n in graph.nodes)
+
+    def uuid(self):
+        return "user-pass-v1"
+
+
+def test_user_post_grad_pass_still_runs_after_kosmos():
+    user = _UserPass()
+    with fake_world(WORLD), torch._inductor.config.patch(post_grad_custom_post_pass=user, fx_graph_cache=False):
+        _compile_once()
+    assert user.saw_kosmos_op is True
+
+
+def test_kill_switch_gives_plain_inductor(monkeypatch):
+    monkeypatch.setenv("KOSMOS_DISABLE", "1")
+    from graph_capture import compile_and_capture
+
+    with fake_world(WORLD):
+        graphs = compile_and_capture(ag_mm, torch.randn(4, 8), torch.randn(8, 3), backward=False)
+    code = graphs["inference"][0].code
+    assert count_ops(code, "ag_gemm") == 0
+    assert "all_gather_into_tensor" in code
+    assert kosmos.report().records == []
+
+
+def test_explain_reports_rewrites_and_impl():
+    with fake_world(WORLD):
+        rep = kosmos.explain(ag_mm, torch.randn(4, 8), torch.randn(8, 3))
+    [rec] = rep.rewrites
+    assert (rec.kind, rec.graph, rec.impl) == ("ag_gemm", "inference", "reference")
+    assert "cpu tensors" in rec.impl_reason
+    assert "ag_gemm: rewritten" in str(rep)
+    assert rep.runtime[("ag_gemm", "reference", rec.impl_reason)] == 1

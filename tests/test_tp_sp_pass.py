@@ -1,0 +1,286 @@
+"""TP+SP post-grad pass: snapshots of rewritten fwd/bwd graphs on a fake process group, and negative cases."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from expecttest import TestCase
+from torch.distributed.device_mesh import init_device_mesh
+
+import kosmos
+import tp_models as tm
+from graph_capture import compile_and_capture, count_ops, fake_world, skeleton, unfused_pairs
+
+WORLD = 4
+
+
+def _case(name: str, world: int = WORLD):
+    """Builds (fn, input) for one TP+SP case on the current (fake or gloo) world."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    if name == "mlp":
+        m = tm.plan_module_input(tm.MLP(), mesh)
+        return m, torch.randn(2, 8, tm.H, requires_grad=True)
+    if name == "attention":
+        m = tm.plan_module_input(tm.Attention(), mesh)
+        return m, torch.randn(2, 8, tm.H, requires_grad=True)
+    if name == "batch1":
+        m = tm.plan_module_input(tm.MLP(), mesh)
+        return m, torch.randn(1, 8, tm.H, requires_grad=True)
+    if name == "gather_dim0":
+        m = tm.plan_module_input(tm.MLP(), mesh, seq_dim=0)
+        return m, torch.randn(8, tm.H, requires_grad=True)
+    if name == "implicit":
+        m = tm.plan_implicit(tm.MLP(), mesh)
+        leaf = torch.randn(2, 8, tm.H, requires_grad=True)
+        x = tm.seq_sharded(leaf, mesh)
+        x.leaf = leaf  # the tensor whose grad the numerics test reads
+        return m, x
+    if name == "autocast":
+        m = tm.plan_module_input(tm.MLP(), mesh)
+
+        def fn(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return m(x)
+
+        return fn, torch.randn(2, 8, tm.H, requires_grad=True)
+    if name == "bias":
+        m = tm.plan_module_input(tm.MLP(bias=True), mesh)
+        return m, torch.randn(2, 8, tm.H, requires_grad=True)
+    raise KeyError(name)
+
+
+class TestTpSpSnapshots(TestCase):
+    def run_case(self, name, ag_fwd, rs_fwd, ag_bwd, rs_bwd):
+        with fake_world(WORLD):
+            fn, x = _case(name)
+            graphs = compile_and_capture(fn, x, fullgraph=True)
+        self.assertEqual((len(graphs["forward"]), len(graphs["backward"])), (1, 1), "expected one graph each way")
+        fwd, bwd = graphs["forward"][0], graphs["backward"][0]
+        self.assertEqual(
+            (count_ops(fwd.code, "ag_gemm"), count_ops(fwd.code, "gemm_rs"), count_ops(bwd.code, "ag_gemm"), count_ops(bwd.code, "gemm_rs")),
+            (ag_fwd, rs_fwd, ag_bwd, rs_bwd),
+        )
+        self.assertEqual(kosmos.report().count(), ag_fwd + rs_fwd + ag_bwd + rs_bwd)
+        return fwd, bwd
+
+    def fused_case(self, name, *counts):
+        fwd, bwd = self.run_case(name, *counts)
+        self.assertEqual(unfused_pairs(fwd.graph) + unfused_pairs(bwd.graph), [])
+        return skeleton(fwd.code), skeleton(bwd.code)
+
+    def test_mlp(self):
+        fwd, bwd = self.fused_case("mlp", 1, 1, 1, 1)
+        self.assertExpectedInline(fwd, """\
+ag_gemm_default = torch.ops.kosmos.ag_gemm.default(mul_1, [permute, permute_1], [None, None], 1, 4, '0', True)
+getitem_8 = ag_gemm_default[0]
+getitem_9 = ag_gemm_default[1]
+getitem_10 = ag_gemm_default[2]
+gemm_rs_default = torch.ops.kosmos.gemm_rs.default([reshape_default_3], [permute_2], None, 1, 'sum', 4, '0', None)""")
+        self.assertExpectedInline(bwd, """\
+ag_gemm_default = torch.ops.kosmos.ag_gemm.default(tangents_1, [permute_5], [None], 1, 4, '0', True)
+getitem = ag_gemm_default[0]
+getitem_16 = ag_gemm_default[1]
+mm_3 = torch.ops.aten.mm.default(permute_3, view_8)
+mm_5 = torch.ops.aten.mm.default(permute_7, view_1)
+mm_7 = torch.ops.aten.mm.default(permute_11, view_1)
+gemm_rs_default = torch.ops.kosmos.gemm_rs.default([reshape_default_2, reshape_default_3], [permute_9, permute_13], None, 1, 'sum', 4, '0', None)""")
+
+    def test_attention(self):
+        fwd, bwd = self.fused_case("attention", 1, 1, 1, 1)
+        self.assertExpectedInline(fwd, """\
+ag_gemm_default = torch.ops.kosmos.ag_gemm.default(mul_1, [permute, permute_2, permute_4], [None, None, None], 1, 4, '0', True)
+getitem_10 = ag_gemm_default[0]
+getitem_11 = ag_gemm_default[1]
+getitem_12 = ag_gemm_default[2]
+getitem_13 = ag_gemm_default[3]
+gemm_rs_default = torch.ops.kosmos.gemm_rs.default([reshape_default_4], [permute_7], None, 1, 'sum', 4, '0', None)""")
+        self.assertExpectedInline(bwd, """\
+ag_gemm_default = torch.ops.kosmos.ag_gemm.default(tangents_1, [permute_10], [None], 1, 4, '0', True)
+getitem = ag_gemm_default[0]
+getitem_21 = ag_gemm_default[1]
+mm_4 = torch.ops.aten.mm.default(permute_8, view_15)
+mm_6 = torch.ops.aten.mm.default(permute_14, view_1)
+mm_8 = torch.ops.aten.mm.default(permute_19, view_1)
+mm_10 = torch.ops.aten.mm.default(permute_24, view_1)
+gemm_rs_default = torch.ops.kosmos.gemm_rs.default([reshape_default_2, reshape_default_3, reshape_default_4], [permute_16, permute_21, permute_26], None, 1, 'sum', 4, '0', None)""")
+
+    def test_local_batch_1(self):
+        fwd, bwd = self.fused_case("batch1", 1, 1, 1, 1)
+        self.assertExpectedInline(fwd, """\
+ag_gemm_default = torch.ops.kosmos.ag_gemm.default(mul_1, [permute, permute_1], [None, None], 0, 4, '0', True)
+getitem_4 = ag_gemm_default[0]
+getitem_5 = ag_gemm_default[1]
+getitem_6 = ag_gemm_default[2]
+gemm_rs_default = torch.ops.kosmos.gemm_rs.default([reshape_default_3], [permute_2], None, 0, 'sum', 4, '0', None)""")
+        self.assertExpectedInline(bwd, """\
+ag_gemm_default = torch.ops.kosmos.ag_gemm.default(tangents_1, [permute_5], [None], 0, 4, '0', True)
+getitem = ag_gemm_default[0]
+getitem_8 = ag_gemm_default[1]
+mm_3 = torch.ops.aten.mm.default(permute_3, view_9)
+mm_5 = torch.ops.aten.mm.default(permute_7, view_2)
+mm_7 = torch.ops.aten.mm.default(permute_11, view_2)
+gemm_rs_default = torch.ops.kosmos.gemm_rs.default([reshape_default_2, reshape_default_3], [permute_9, permute_13], None, 1, 'sum', 4, '0', None)""")
+
+    def test_gather_dim_0(self):
+        fwd, bwd = self.fused_case("gather_dim0", 1, 1, 1, 1)
+        self.assertExpectedInline(fwd, """\
+ag_gemm_default = torch.ops.kosmos.ag_gemm.default(mul_1, [permute, permute_1], [None, None], 0, 4, '0', True)
+getitem = ag_gemm_default[0]
+getitem_1 = ag_gemm_default[1]
+getitem_2 = ag_gemm_default[2]
+gemm_rs_default = torch.ops.kosmos.gemm_rs.default([reshape_default_3], [permute_2], None, 0, 'sum', 4, '0', None)""")
+        self.assertExpectedInline(bwd, """\
+ag_gemm_default = torch.ops.kosmos.ag_gemm.default(tangents_1, [permute_5], [None], 0, 4, '0', True)
+getitem = ag_gemm_default[0]
+getitem_1 = ag_gemm_default[1]
+mm_3 = torch.ops.aten.mm.default(permute_3, mul_2)
+mm_5 = torch.ops.aten.mm.default(permute_7, wait_tensor)
+mm_7 = torch.ops.aten.mm.default(permute_11, wait_tensor)
+gemm_rs_default = torch.ops.kosmos.gemm_rs.default([reshape_default_2, reshape_default_3], [permute_13, permute_9], None, 0, 'sum', 4, '0', None)""")
+
+    def test_implicit_redistribute(self):
+        # DTensor end to end: the gather reaches the matmuls through an index permutation + as_strided
+        fwd, bwd = self.run_case("implicit", 1, 1, 1, 0)
+        self.assertEqual(unfused_pairs(fwd.graph), [])
+        self.assertExpectedInline(skeleton(fwd.code), """\
+ag_gemm_default = torch.ops.kosmos.ag_gemm.default(reshape_default, [permute, permute_1], [None, None], 1, 4, '0', True)
+getitem_172 = ag_gemm_default[0]
+getitem_173 = ag_gemm_default[1]
+getitem_174 = ag_gemm_default[2]
+gemm_rs_default = torch.ops.kosmos.gemm_rs.default([reshape_default_4], [permute_2], None, 1, 'sum', 4, '0', None)
+all_gather_into_tensor_5 = torch.ops._c10d_functional.all_gather_into_tensor.default(rsqrt, 4, '0')
+wait_tensor_8 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_5)""")
+        self.assertExpectedInline(skeleton(bwd.code), """\
+ag_gemm_default = torch.ops.kosmos.ag_gemm.default(tangents_1, [permute_5], [None], 1, 4, '0', True)
+getitem = ag_gemm_default[0]
+getitem_176 = ag_gemm_default[1]
+mm_3 = torch.ops.aten.mm.default(permute_3, view_27)
+mm_5 = torch.ops.aten.mm.default(permute_7, as_strided)
+mm_6 = torch.ops.aten.mm.default(view_32, permute_9)
+mm_7 = torch.ops.aten.mm.default(permute_11, as_strided)
+mm_8 = torch.ops.aten.mm.default(view_45, permute_13)
+reduce_scatter_tensor_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_42, 'sum', 4, '0')
+wait_tensor_6 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_1)
+reduce_scatter_tensor_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_43, 'sum', 4, '0')
+wait_tensor_7 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_2)
+all_gather_into_tensor_5 = torch.ops._c10d_functional.all_gather_into_tensor.default(rsqrt, 4, '0')
+wait_tensor_8 = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_5)
+reduce_scatter_tensor_3 = torch.ops._c10d_functional.reduce_scatter_tensor.default(cat_45, 'sum', 4, '0')
+wait_tensor_9 = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_3)""")
+        reasons = [r.reason for r in kosmos.report().left_alone if r.kind == "gemm_rs" and r.graph == "backward"]
+        self.assertIn("the unreduced matmul output is also used by mul_9", reasons)
+
+    def test_autocast_moves_cast_before_gather(self):
+        fwd, bwd = self.fused_case("autocast", 1, 1, 1, 1)
+        self.assertExpectedInline(fwd, """\
+ag_gemm_default = torch.ops.kosmos.ag_gemm.default(convert_element_type_default, [permute, permute_1], [None, None], 1, 4, '0', True)
+getitem_8 = ag_gemm_default[0]
+getitem_9 = ag_gemm_default[1]
+getitem_10 = ag_gemm_default[2]
+gemm_rs_default = torch.ops.kosmos.gemm_rs.default([reshape_default_3], [permute_2], None, 1, 'sum', 4, '0', None)""")
+        self.assertExpectedInline(bwd, """\
+ag_gemm_default = torch.ops.kosmos.ag_gemm.default(convert_element_type_13, [permute_5], [None], 1, 4, '0', True)
+getitem = ag_gemm_default[0]
+getitem_16 = ag_gemm_default[1]
+mm_3 = torch.ops.aten.mm.default(permute_3, view_8)
+mm_5 = torch.ops.aten.mm.default(permute_7, view_1)
+mm_7 = torch.ops.aten.mm.default(permute_11, view_1)
+gemm_rs_default = torch.ops.kosmos.gemm_rs.default([reshape_default_2, reshape_default_3], [permute_9, permute_13], None, 1, 'sum', 4, '0', torch.float32)""")
+        rec = [r for r in kosmos.report().rewrites if r.kind == "ag_gemm" and r.graph == "forward"][0]
+        self.assertIn("cast to torch.bfloat16 moved before the gather", rec.reason)
+
+    def test_bias(self):
+        fwd, bwd = self.fused_case("bias", 1, 1, 1, 1)
+        self.assertExpectedInline(fwd, """\
+ag_gemm_default = torch.ops.kosmos.ag_gemm.default(mul_1, [permute, permute_1], [primals_7, primals_11], 1, 4, '0', True)
+getitem_8 = ag_gemm_default[0]
+getitem_9 = ag_gemm_default[1]
+getitem_10 = ag_gemm_default[2]
+gemm_rs_default = torch.ops.kosmos.gemm_rs.default([reshape_default_3], [permute_2], div_1, 1, 'sum', 4, '0', None)""")
+
+
+class TestNegative(TestCase):
+    def test_weight_depends_on_gathered(self):
+        from graph_capture import fake_world
+
+        def fn(x):
+            g = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(x, WORLD, "0"))
+            w = g[:16, :16].t()  # the weight is a slice of the gathered tensor itself
+            return g @ w
+
+        with fake_world(WORLD):
+            graphs = compile_and_capture(fn, torch.randn(8, 16), backward=False)
+        code = graphs["inference"][0].code
+        self.assertEqual(count_ops(code, "ag_gemm"), 0)
+        [rec] = kosmos.report().left_alone
+        self.assertRegex(rec.reason, r"the operand .* depends on the gathered tensor")
+
+    def test_gathered_rows_in_other_order(self):
+        def fn(x):
+            g = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(x, WORLD, "0"))
+            return g.flip(0) @ torch.ones(16, 8)
+
+        with fake_world(WORLD):
+            compile_and_capture(fn, torch.randn(8, 16), backward=False)
+        [rec] = kosmos.report().left_alone
+        self.assertEqual(rec.reason, "no matmul reads the gathered rows as its left operand")
+
+    def test_gather_along_contracted_dim(self):
+        def fn(x):
+            g = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(x, WORLD, "0"))
+            full = torch.cat(torch.chunk(g, WORLD, 0), dim=1)  # gathers K: not a row gather
+            return full @ torch.ones(64, 8)
+
+        with fake_world(WORLD):
+            graphs = compile_and_capture(fn, torch.randn(8, 16), backward=False)
+        self.assertEqual(count_ops(graphs["inference"][0].code, "ag_gemm"), 0)
+        self.assertEqual(len(kosmos.report().left_alone), 1)
+
+    def test_unreduced_output_used_elsewhere(self):
+        def fn(a, w):
+            y = a @ w
+            rs = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.reduce_scatter_tensor(y, "sum", WORLD, "0"))
+            return rs, y.relu()
+
+        with fake_world(WORLD):
+            compile_and_capture(fn, torch.randn(16, 8), torch.randn(8, 4), backward=False)
+        [rec] = kosmos.report().left_alone
+        self.assertTrue(rec.reason.startswith("the unreduced matmul output is also used by"), rec.reason)
+
+    def test_reduce_op_max_left_alone(self):
+        def fn(a, w):
+            return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.reduce_scatter_tensor(a @ w, "max", WORLD, "0"))
+
+        with fake_world(WORLD):
+            compile_and_capture(fn, torch.randn(16, 8), torch.randn(8, 4), backward=False)
+        [rec] = kosmos.report().left_alone
+        self.assertEqual(rec.reason, "reduce op 'max' is not sum/avg")
+
+    def test_all_reduce_reported_as_candidate(self):
+        mesh_world = 2
+
+        class RowTP(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.up = nn.Linear(16, 32, bias=False)
+                self.down = nn.Linear(32, 16, bias=False)
+
+            def forward(self, x):
+                return self.down(self.up(x).relu())
+
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        with fake_world(mesh_world):
+            mesh = init_device_mesh("cpu", (mesh_world,))
+            m = parallelize_module(RowTP(), mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+            compile_and_capture(m, torch.randn(4, 16), backward=False)
+        recs = [r for r in kosmos.report().left_alone if r.kind == "all_reduce"]
+        self.assertEqual(len(recs), 1)
+        self.assertIn("candidate not yet fused: mm -> all_reduce", recs[0].reason)
+        self.assertEqual(kosmos.report().count(), 0)
+
+
+if __name__ == "__main__":
+    from torch.testing._internal.common_utils import run_tests
+
+    run_tests()

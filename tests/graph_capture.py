@@ -68,8 +68,33 @@ class Captured:
 _KEEP = re.compile(r"torch\.ops\.(kosmos|_c10d_functional)\.|aten\.(mm|addmm|bmm)\.")
 
 
-def skeleton(code: str) -> str:
-    """The communication + matmul lines of a graph (what the TP+SP pass changes), without `x = None` frees."""
+def skeleton(code: str, kosmos_only: bool = False) -> str:
+    """The communication + matmul lines of a graph (what the TP+SP pass changes), without `x = None` frees.
+
+    Intermediate names are renumbered in order of appearance (t0, t1, ...) so that snapshots compare
+    structure, not the counters torch versions give node names; graph inputs keep their names."""
+    lines = _skeleton_lines(code)
+    if kosmos_only:
+        lines = "\n".join(line for line in lines.splitlines() if "torch.ops.kosmos." in line)
+    return _renumber(lines)
+
+
+_TOKEN = re.compile(r"(?<![.\w'])[a-z_][a-z0-9_]*(?![\w'.])")
+
+
+def _renumber(text: str) -> str:
+    names: dict[str, str] = {}
+
+    def sub(m):
+        tok = m.group(0)
+        if tok.startswith(("primals", "tangents")):
+            return tok
+        return names.setdefault(tok, f"t{len(names)}")
+
+    return "\n".join(_TOKEN.sub(sub, line) for line in text.splitlines())
+
+
+def _skeleton_lines(code: str) -> str:
     lines = []
     kosmos_names = set()
     for line in code.splitlines():

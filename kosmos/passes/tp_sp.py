@@ -46,14 +46,13 @@ class MatmulUse:
 @dataclasses.dataclass
 class AllGatherMatch:
     collective: fx.Node
-    wait: fx.Node
+    waits: list[fx.Node]
     shard: fx.Node  # the all-gather's input
     shard_shape: list[int]  # the shard viewed so that the gather is a cat along gather_dim
     gather_dim: int
     world_size: int
     group_name: str
-    chain: list[fx.Node]  # layout nodes between the wait and the matmuls
-    rows: fx.Node  # the chain node the matmuls read ([M, K] or [B, M, K] for bmm)
+    chain: list[fx.Node]  # layout nodes between the waits and the matmuls (all ends read rows in one order)
     matmuls: list[MatmulUse]
     served: list[fx.Node]  # other chain ends, rebuilt as views of the returned gathered tensor
     cast_to: Optional[torch.dtype]  # dtype cast inside the chain, moved before the gather
@@ -95,14 +94,14 @@ class AllGatherMatch:
                 )
             for s in self.served:
                 s.replace_all_uses_with(graph_edit.call(graph, aten.reshape.default, (outs[-1], static_shape(s))))
-        graph_edit.erase_unused([m.node for m in self.matmuls] + self.chain[::-1] + [self.wait, self.collective])
+        graph_edit.erase_unused([m.node for m in self.matmuls] + self.chain[::-1] + self.waits + [self.collective])
         return fused
 
 
 @dataclasses.dataclass
 class ReduceScatterMatch:
     collective: fx.Node
-    wait: fx.Node
+    waits: list[fx.Node]
     matmuls: list[fx.Node]  # mm / addmm nodes whose outputs are summed and scattered
     inputs: list[fx.Node]
     weights: list[fx.Node]
@@ -135,9 +134,10 @@ class ReduceScatterMatch:
                     self.out_dtype,
                 ),
             )
-            out = graph_edit.call(graph, aten.reshape.default, (fused, static_shape(self.wait)))
-        self.wait.replace_all_uses_with(out)
-        graph_edit.erase_unused([self.wait, self.collective] + self.chain[::-1] + self.matmuls)
+            out = graph_edit.call(graph, aten.reshape.default, (fused, static_shape(self.waits[0])))
+        for w in self.waits:
+            w.replace_all_uses_with(out)
+        graph_edit.erase_unused(self.waits + [self.collective] + self.chain[::-1] + self.matmuls)
         return fused
 
 
@@ -153,13 +153,6 @@ Finding = Union[AllGatherMatch, ReduceScatterMatch, LeftAlone]
 
 
 # ----------------------------------------------------------------------------------------- matching
-
-
-def _single_wait(collective: fx.Node) -> Optional[fx.Node]:
-    users = list(collective.users)
-    if len(users) == 1 and users[0].target is c10d.wait_tensor.default:
-        return users[0]
-    return None
 
 
 def _matmul_use(user: fx.Node, rows: fx.Node) -> Optional[MatmulUse]:
@@ -225,61 +218,71 @@ def _find_gather_layout(shapes, world_size, observed: torch.Tensor) -> Optional[
     return None
 
 
+def _waits(collective: fx.Node) -> Optional[list[fx.Node]]:
+    """The wait_tensor nodes of a collective (torch 2.14 gives each consumer a wait of its own)."""
+    users = list(collective.users)
+    if users and all(u.target is c10d.wait_tensor.default for u in users):
+        return users
+    return None
+
+
 def find_all_gather(collective: fx.Node) -> Optional[Finding]:
     shard, world_size, group_name = collective.args[0], collective.args[1], collective.args[2]
-    wait = _single_wait(collective)
+    waits = _waits(collective)
     names = (collective.name,)
-    if wait is None:
-        return LeftAlone("ag_gemm", "all-gather result is used without a single wait_tensor", names)
-    shape = static_shape(wait)
+    if waits is None:
+        return LeftAlone("ag_gemm", "all-gather result is used without wait_tensor", names)
+    shape = static_shape(waits[0])
     if shape is None or static_shape(shard) is None:
         return LeftAlone("ag_gemm", "dynamic shapes are not fused", names)
     if len(shape) < 2:
         return LeftAlone("ag_gemm", "1-D all-gather (no rows to feed a matmul)", names)
     k = shape[-1]
-    chain, ends = _chain_from(wait, k)
+    chain, ends = [], []
+    for w in waits:
+        c, e = _chain_from(w, k)
+        chain += c
+        ends += e
     uses = [(e, m) for e in ends for m in (_matmul_use(u, e) for u in e.users) if m is not None]
-    names = (collective.name, wait.name) + tuple(n.name for n in chain)
+    names = (collective.name,) + tuple(w.name for w in waits) + tuple(n.name for n in chain)
     if not uses:
         return LeftAlone("ag_gemm", "no matmul reads the gathered rows as its left operand", names, {"gathered": shape})
-    rows = uses[0][0]
-    if any(e is not rows for e, _ in uses):
-        return LeftAlone("ag_gemm", "matmuls read the gathered rows in different layouts", names)
     matmuls = [m for _, m in uses]
-    in_chain = set(chain) | {wait}
+    rows = uses[0][0]
+    source = set(chain) | set(waits)
+    pos = graph_edit.positions(collective.graph)
     for m in matmuls:
         for inp in (m.weight, m.bias):
-            if inp is not None and graph_edit.depends_on(inp, in_chain, 0, graph_edit.positions(inp.graph)):
+            if inp is not None and graph_edit.depends_on(inp, source, 0, pos):
                 return LeftAlone("ag_gemm", f"the operand {inp.name} of {m.node.name} depends on the gathered tensor", names)
-    rows_val = val(rows)
-    if rows_val.dtype not in _SUPPORTED_DTYPES:
-        return LeftAlone("ag_gemm", f"unsupported dtype {rows_val.dtype}", names)
-    if any(val(m.weight).dtype != rows_val.dtype for m in matmuls):
+    dtype = val(rows).dtype
+    if dtype not in _SUPPORTED_DTYPES:
+        return LeftAlone("ag_gemm", f"unsupported dtype {dtype}", names)
+    if any(val(m.weight).dtype != dtype for m in matmuls):
         return LeftAlone("ag_gemm", "matmul operands have different dtypes", names)
     casts = [n for n in chain if n.target is _CAST]
-    cast_to = rows_val.dtype if casts else None
-    if cast_to is not None and len(casts) > 1:
+    if len({n.args[1] for n in casts}) > 1:
         return LeftAlone("ag_gemm", "several dtype casts between gather and matmul", names)
+    matmul_nodes = {m.node for m in matmuls}
+    served = [e for e in dict.fromkeys(ends) if any(u not in matmul_nodes for u in e.users)]
     try:
         prober = Prober(k)
-        prober.seed(wait, row_ids(shape[:-1]))
+        for w in waits:
+            prober.seed(w, row_ids(shape[:-1]))
         observed = prober.run(rows).flatten()
-        served = [e for e in ends if e is not rows]
-        matmul_nodes = {m.node for m in matmuls}
-        if any(u not in matmul_nodes for u in rows.users):
-            served.append(rows)
-        for e in served:
-            if val(e).dtype != rows_val.dtype:
+        for e in dict.fromkeys([r for r, _ in uses] + served):
+            if val(e).dtype != dtype:
                 return LeftAlone("ag_gemm", f"gathered tensor is also used as {val(e).dtype} ({e.name})", names)
             if not torch.equal(prober.run(e).flatten(), observed):
-                return LeftAlone("ag_gemm", f"{e.name} uses the gathered rows in another order", names)
+                return LeftAlone("ag_gemm", f"{e.name} uses the gathered rows in another order than {rows.name}", names)
     except ProbeError as e:
         return LeftAlone("ag_gemm", str(e), names)
     layout = _find_gather_layout(_candidate_shapes(shard, k), world_size, observed)
     if layout is None:
         return LeftAlone("ag_gemm", "the matmul reads the gathered rows in an order that is no gather along a dim", names)
     return AllGatherMatch(
-        collective, wait, shard, layout[0], layout[1], world_size, group_name, chain, rows, matmuls, served, cast_to
+        collective, waits, shard, layout[0], layout[1], world_size, group_name, chain, matmuls, served,
+        dtype if casts else None,
     )
 
 
@@ -333,12 +336,12 @@ def _sum_terms(node: fx.Node, chain: list[fx.Node], cast=None) -> Optional[list[
 
 def find_reduce_scatter(collective: fx.Node) -> Optional[Finding]:
     x, reduce_op, world_size, group_name = collective.args[:4]
-    wait = _single_wait(collective)
+    waits = _waits(collective)
     names = (collective.name,)
-    if wait is None:
-        return LeftAlone("gemm_rs", "reduce-scatter result is used without a single wait_tensor", names)
+    if waits is None:
+        return LeftAlone("gemm_rs", "reduce-scatter result is used without wait_tensor", names)
     shape = static_shape(x)
-    if shape is None or static_shape(wait) is None:
+    if shape is None or static_shape(waits[0]) is None:
         return LeftAlone("gemm_rs", "dynamic shapes are not fused", names)
     if reduce_op not in ("sum", "avg"):
         return LeftAlone("gemm_rs", f"reduce op {reduce_op!r} is not sum/avg", names)
@@ -356,7 +359,7 @@ def find_reduce_scatter(collective: fx.Node) -> Optional[Finding]:
         root = node
     sum_chain: list[fx.Node] = []
     terms = _sum_terms(root, sum_chain) if root is not None else None
-    names = (collective.name, wait.name) + tuple(c.name for c in chain)
+    names = (collective.name,) + tuple(c.name for c in chain)
     if not terms:
         return LeftAlone("gemm_rs", "the reduce-scattered tensor is not a sum of matmul outputs", names)
     matmuls = [t.matmul for t in terms]
@@ -396,7 +399,7 @@ def find_reduce_scatter(collective: fx.Node) -> Optional[Finding]:
             expected = scattered_order(full, dim, world_size)
             if expected.shape == observed.shape and torch.equal(expected, observed):
                 return ReduceScatterMatch(
-                    collective, wait, matmuls, inputs, weights, biased[0].bias if biased else None,
+                    collective, waits, matmuls, inputs, weights, biased[0].bias if biased else None,
                     casts.pop(), full, dim, reduce_op, world_size, group_name, chain + sum_chain,
                 )
     return LeftAlone("gemm_rs", "the matmul output reaches the reduce-scatter in an order that is no chunking", names)
@@ -460,7 +463,7 @@ def _record_rewrite(kind: str, graph_name: str, fused: fx.Node, match) -> None:
         reason = f"{len(xs)} matmul(s) -> reduce_scatter({args[4]})"
     record(
         PassRecord(
-            kind, graph_name, True, reason, tuple(n.name for n in (match.collective, match.wait)), shapes,
+            kind, graph_name, True, reason, (match.collective.name,), shapes,
             impl="reference" if why else "fused", impl_reason=why or "supported",
         )
     )

@@ -72,7 +72,7 @@ def skeleton(code: str, kosmos_only: bool = False) -> str:
     """The communication + matmul lines of a graph (what the TP+SP pass changes), without `x = None` frees.
 
     Intermediate names are renumbered in order of appearance (t0, t1, ...) so that snapshots compare
-    structure, not the counters torch versions give node names; graph inputs keep their names."""
+    structure, not the counters torch versions give node names (tangents keep theirs)."""
     lines = _skeleton_lines(code)
     if kosmos_only:
         lines = "\n".join(line for line in lines.splitlines() if "torch.ops.kosmos." in line)
@@ -87,8 +87,8 @@ def _renumber(text: str) -> str:
 
     def sub(m):
         tok = m.group(0)
-        if tok.startswith(("primals", "tangents")):
-            return tok
+        if tok.startswith("tangents"):
+            return tok  # primals_N numbering differs between torch versions; tangents_N does not
         return names.setdefault(tok, f"t{len(names)}")
 
     return "\n".join(_TOKEN.sub(sub, line) for line in text.splitlines())

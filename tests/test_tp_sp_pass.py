@@ -172,11 +172,11 @@ t13 = torch.ops.kosmos.gemm_rs.default([t14, t15], [t16, t17], None, 1, 'sum', 4
     def test_bias(self):
         fwd, bwd = self.fused_case("bias", 1, 1, 1, 1)
         self.assertExpectedInline(fwd, """\
-t0 = torch.ops.kosmos.ag_gemm.default(t1, [t2, t3], [primals_7, primals_11], 1, 4, '0', True)
-t4 = t0[0]
-t5 = t0[1]
-t6 = t0[2]
-t7 = torch.ops.kosmos.gemm_rs.default([t8], [t9], t10, 1, 'sum', 4, '0', None)""")
+t0 = torch.ops.kosmos.ag_gemm.default(t1, [t2, t3], [t4, t5], 1, 4, '0', True)
+t6 = t0[0]
+t7 = t0[1]
+t8 = t0[2]
+t9 = torch.ops.kosmos.gemm_rs.default([t10], [t11], t12, 1, 'sum', 4, '0', None)""")
 
 
 class TestNegative(TestCase):

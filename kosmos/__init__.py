@@ -5,6 +5,7 @@
 `import kosmos` registers the backend (pip install registers it through an entry point as well).
 """
 from kosmos import ops  # noqa: F401  (registers torch.ops.kosmos.*)
+from kosmos.kernels import fused_ops as _fused_ops  # noqa: F401  (registers the fused CUDA impls)
 from kosmos.backend import kosmos_backend, register as _register
 from kosmos.reporting import Report, report, reset as reset_report
 

@@ -1,0 +1,496 @@
+"""The fused kernels' code paths that cannot wait, under TRITON_INTERPRET=1 on CPU: W=1, one program.
+
+The interpreter runs programs one after another, so a spin on another program's signal would never end;
+at W=1 with one program every wait is on a task the same program already ran (the stream puts producers
+first), so the whole fused kernels run: publish, tiles, pushes, reduces, epochs. At W=2 rank 0 runs to its
+end before rank 1 starts, which makes a missing signal: the timeout path and the error word.
+fp16 (the interpreter's tl.dot on bf16 multiplies raw bits).
+
+All cases run in ONE subprocess (TRITON_INTERPRET must be set before triton is imported and must not leak
+into other tests); each test checks its case's line of the report.
+
+Gathers / scatters along dim 1 (local batch B >= 2, the kernels' row remap): W=1 single-program cases here,
+and, in a second subprocess, W = 2..4 ranks each launched from its own Python thread (one program per
+rank) with the interpreter's grid index made thread-local: the ranks' programs then run concurrently, so
+cross-rank waits end and the remapped pulls / pushes are checked against torch.cat / chunk references.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CASES = ["ag_two_weights_bias", "ag_store_epilogue", "ag_row_major_rerun", "rs_sum_avg_pairs", "rs_one_pair_nobias",
+         "missing_signal_raises", "epochs_advance", "ag_gather_dim1", "rs_scatter_dim1"]
+# multi-rank cases, one thread per rank (see _threaded_interpreter)
+THREAD_CASES = ["threads_ag_dim0", "threads_ag_dim1", "threads_rs_dim0", "threads_rs_dim1"]
+
+
+def _rel(out, ref):
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def case_ag_two_weights_bias(torch, SimWorld):
+    g = torch.Generator().manual_seed(1)
+    m, K, Ns = 150, 96, [40, 264]  # ragged: m, N not multiples of the 128x256 tile
+    a = torch.randn(1, m, K, generator=g).half()
+    ws = [torch.randn(1, n, K, generator=g).half().transpose(1, 2) for n in Ns]  # Linear weights' w.t()
+    bs = [torch.randn(1, Ns[0], generator=g).half(), None]
+    outs = SimWorld(1, device="cpu").ag_gemm(a, ws, bs, return_gathered=True)
+    errs = [_rel(outs[i][0], a[0].float() @ w[0].float() + (b[0].float() if b is not None else 0))
+            for i, (w, b) in enumerate(zip(ws, bs))]
+    assert all(e < 1e-3 for e in errs), errs
+    assert torch.equal(outs[2][0], a[0]), "gathered buffer"
+    return {"errs": errs}
+
+
+def case_ag_store_epilogue(torch, SimWorld):
+    g = torch.Generator().manual_seed(7)
+    m, K, Ns = 150, 96, [40, 264]
+    a = torch.randn(1, m, K, generator=g).half()
+    ws = [torch.randn(1, n, K, generator=g).half().transpose(1, 2) for n in Ns]
+    bs = [None, torch.randn(1, Ns[1], generator=g).half()]
+    sw = SimWorld(1, device="cpu")
+    outs = [torch.full((1, m, n), float("nan")).half() for n in Ns]
+    sw.ag_gemm(a, ws, bs, outs=outs, epilogue="store")
+    errs = [_rel(o[0], a[0].float() @ w[0].float() + (b[0].float() if b is not None else 0))
+            for o, w, b in zip(outs, ws, bs)]
+    assert all(e < 1e-3 for e in errs), errs
+    tma = sw.ag_gemm(a, ws, bs)
+    assert all(torch.equal(x, y) for x, y in zip(outs, tma)), "epilogues disagree"
+    return {"errs": errs}
+
+
+def case_ag_row_major_rerun(torch, SimWorld):
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(1, 136, 64, generator=g).half()
+    w = torch.randn(1, 64, 24, generator=g).half()  # row-major [K, N]
+    sw = SimWorld(1, device="cpu")
+    o1 = sw.ag_gemm(a, [w])[0]
+    o2 = sw.ag_gemm(a, [w])[0]
+    assert torch.equal(o1, o2), "rerun not bit-identical"
+    err = _rel(o1[0], a[0].float() @ w[0].float())
+    assert err < 1e-3, err
+    return {"err": err}
+
+
+def case_rs_sum_avg_pairs(torch, SimWorld):
+    g = torch.Generator().manual_seed(3)
+    M, Ks, N = 200, [96, 48], 264
+    xs = [torch.randn(1, M, k, generator=g).half() for k in Ks]
+    wts = [torch.randn(1, N, k, generator=g).half().transpose(1, 2) for k in Ks]
+    bias = torch.randn(1, N, generator=g).half()
+    sw = SimWorld(1, device="cpu")
+    ref = sum(x[0].float() @ w[0].float() for x, w in zip(xs, wts)) + bias[0].float()
+    errs = {}
+    for op in ("sum", "avg"):
+        out = torch.full((1, M, N), float("nan")).half()
+        out = sw.gemm_rs(xs, wts, bias, op)
+        errs[op] = _rel(out[0], ref)
+        assert not out.isnan().any()
+    assert all(e < 1e-3 for e in errs.values()), errs
+    return errs
+
+
+def case_rs_one_pair_nobias(torch, SimWorld):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 130, 32, generator=g).half()
+    w = torch.randn(1, 32, 40, generator=g).half()
+    out = SimWorld(1, device="cpu").gemm_rs([x], [w], None, "sum")
+    err = _rel(out[0], x[0].float() @ w[0].float())
+    assert err < 1e-3, err
+    return {"err": err}
+
+
+def case_missing_signal_raises(torch, SimWorld):
+    """W=2 with one program per rank: the interpreter runs rank 0's program to its end before rank 1's starts,
+    so rank 0's pull of rank 1's first block waits on a signal that cannot come: it must time out, record
+    (op, rank, task), abort the peer, and the host must raise at the next call and then refuse the workspace."""
+    from kosmos.kernels import queue, runtime
+
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(2, 130, 32, generator=g).half()
+    w = torch.randn(2, 32, 40, generator=g).half()
+    runtime.set_spin_timeout(0.0002)  # the interpreter counts one spin as 1 us
+    try:
+        sw = SimWorld(2, device="cpu")
+        sw.ag_gemm(a, [w])
+        words = sw.workspace.read_device_error()
+        stream = queue.ag_gemm_stream(0, 2, 2, [1], 1)
+        first_pull = next(i for i, t in enumerate(stream) if t[0] == queue.PULL)
+        assert words[0] == [1, runtime.OP_IDS["ag_gemm"], 0, first_pull], (words, stream)
+        assert words[1][0] == 2, "peer marked aborted"
+        try:
+            sw.ag_gemm(a, [w])
+        except runtime.KernelTimeout as e:
+            assert (e.op, e.rank, e.task) == ("ag_gemm", 0, first_pull)
+            msg = str(e)
+        else:
+            raise AssertionError("no KernelTimeout")
+        try:
+            sw.ag_gemm(a, [w])
+        except runtime.WorkspaceBroken:
+            pass
+        else:
+            raise AssertionError("a broken workspace took another call")
+    finally:
+        runtime.set_spin_timeout(None)
+    return {"msg": msg}
+
+
+def case_epochs_advance(torch, SimWorld):
+    g = torch.Generator().manual_seed(6)
+    sw = SimWorld(1, device="cpu")
+    a = torch.randn(1, 128, 32, generator=g).half()
+    w = torch.randn(1, 32, 16, generator=g).half()
+    for i in range(3):
+        sw.ag_gemm(a, [w])
+        sw.gemm_rs([a], [w], None, "sum")
+    ep = sw.workspace.epochs()
+    ctrl = sw.workspace.buffers[0][:512].view(torch.int32)
+    assert ep == [6], ep
+    assert int(ctrl[0]) == 0 and int(ctrl[1]) == 0, "claim counter / done count reset on the device"
+    assert int(ctrl[64]) == 6, "FINISHED[0]"
+    return {"epochs": ep}
+
+
+def case_ag_gather_dim1(torch, SimWorld):
+    """gather_dim 1 at W=1: B batch entries of s rows; s=64 takes the 64-row tile, s=128 the config's; one
+    weight (output descriptor once per program) and two (per tile); TMA and plain-store epilogues agree."""
+    from kosmos.kernels.ag_gemm import ag_gemm_sim
+
+    g = torch.Generator().manual_seed(8)
+    sw = SimWorld(1, device="cpu")
+    errs = []
+    for B, s, K, Ns in [(3, 64, 48, [40, 24]), (2, 128, 32, [16])]:
+        a = torch.randn(1, B, s, K, generator=g).half()
+        ws = [torch.randn(1, n, K, generator=g).half().transpose(1, 2) for n in Ns]
+        bs = [torch.randn(1, Ns[0], generator=g).half()] + [None] * (len(Ns) - 1)
+        outs = [torch.full((1, B, s, n), float("nan")).half() for n in Ns]
+        gat = torch.full((1, B, s, K), float("nan")).half()
+        res = ag_gemm_sim(sw, a, ws, bs, return_gathered=True, outs=outs, gathered=gat, gather_dim=1)
+        for o, w, b in zip(res, ws, bs):
+            assert o.shape == (1, B, s, w.shape[2]) and not o.isnan().any()
+            errs.append(_rel(o[0], a[0].float() @ w[0].float() + (b[0].float() if b is not None else 0)))
+        assert torch.equal(res[-1][0], a[0]), "gathered buffer"
+        st = ag_gemm_sim(sw, a, ws, bs, gather_dim=1, epilogue="store")
+        assert all(torch.equal(x, y) for x, y in zip(st, res)), "epilogues disagree"
+    assert all(e < 1e-3 for e in errs), errs
+    try:
+        ag_gemm_sim(sw, torch.zeros(1, 2, 96, 32).half(), [torch.zeros(1, 32, 16).half()], gather_dim=1)
+    except ValueError as e:
+        assert "rows per batch entry s=96" in str(e), e
+    else:
+        raise AssertionError("s=96 (no tile divides it) was not refused")
+    return {"errs": errs}
+
+
+def case_rs_scatter_dim1(torch, SimWorld):
+    """scatter_dim 1 at W=1 (sum, avg; one and two pairs; a 3-d leading shape scattered along its middle dim)."""
+    from kosmos.kernels.gemm_rs import gemm_rs_sim
+
+    g = torch.Generator().manual_seed(9)
+    sw = SimWorld(1, device="cpu")
+    errs = {}
+    for lead, Ks, N, op in [((2, 128), [32], 40, "sum"), ((3, 64), [32, 16], 24, "avg"), ((2, 2, 32), [16], 8, "sum")]:
+        xs = [torch.randn(1, *lead, k, generator=g).half() for k in Ks]
+        wts = [torch.randn(1, N, k, generator=g).half().transpose(1, 2) for k in Ks]
+        bias = torch.randn(1, N, generator=g).half()
+        out = torch.full((1, *lead, N), float("nan")).half()
+        out = gemm_rs_sim(sw, xs, wts, bias, op, out=out, scatter_dim=1)
+        assert out.shape == (1, *lead, N) and not out.isnan().any()
+        ref = sum(x[0].float() @ w[0].float() for x, w in zip(xs, wts)) + bias[0].float()
+        errs[str(lead)] = _rel(out[0], ref)
+    assert all(e < 1e-3 for e in errs.values()), errs
+    return errs
+
+
+# ---- several ranks at once: one Python thread per rank
+
+
+class _RankView:
+    """Rank r's view of a SimWorld workspace, as a real group's process has it: the W buffers' table row r,
+    one local rank, its own lock and error mirror (buffers sized beforehand)."""
+
+    def __init__(self, ws, r):
+        import threading
+
+        import torch
+
+        self.world, self.local_ranks, self.n_local = ws.world, [r], 1
+        self.table = ws.table[r:r + 1].clone()
+        self.layout = ws.layout
+        self.err_host = torch.zeros(4, dtype=torch.int32)
+        self.lock = threading.Lock()
+
+    def check(self):
+        assert int(self.err_host[0]) == 0, f"kernel error word {self.err_host.tolist()}"
+
+    def after_launch(self):
+        self.check()
+
+    def ensure(self, flag_words, data_bytes):
+        assert flag_words <= self.layout.flag_words and data_bytes <= self.layout.data_bytes
+
+
+def _threaded_interpreter():
+    """Makes the interpreter's grid index / grid size thread-local and leaves the language patched (each
+    launch would otherwise restore triton.language while another thread's launch still runs). Only for the
+    threads subprocess."""
+    import threading
+
+    import triton.runtime.interpreter as interp
+
+    tls = threading.local()
+
+    def prop(name):
+        return property(lambda self: getattr(tls, name, None), lambda self, v: setattr(tls, name, v))
+
+    interp.InterpreterBuilder.grid_idx = prop("grid_idx")
+    interp.InterpreterBuilder.grid_dim = prop("grid_dim")
+    interp._LangPatchScope.restore = lambda self: None
+    sys.setswitchinterval(0.0005)  # a spinning rank hands the GIL over sooner
+
+
+def _run_ranks(sw, fn):
+    """fn(rank_view, rank) on one thread per rank, concurrently; re-raises the first failure."""
+    import threading
+    import traceback
+
+    sw.workspace.ensure(1 << 12, 1 << 22)
+    errors = []
+
+    def body(r):
+        try:
+            fn(_RankView(sw.workspace, r), r)
+        except Exception:  # noqa: BLE001
+            errors.append(traceback.format_exc())
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(sw.world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a rank's thread hangs"
+    assert not errors, errors[0]
+
+
+def _ag_ranks(torch, sw, a4, ws, bs, gather_dim, epilogue="tma"):
+    """AG+GEMM of a4 [W, *shard] on W threads (kernel launched per rank, programs=1); outs in gathered shape."""
+    from kosmos.kernels import ag_gemm as agm
+    from kosmos.kernels import queue
+
+    W = a4.shape[0]
+    lead = list(a4.shape[1:-1])
+    K = a4.shape[-1]
+    B, s = queue.split_rows(lead, gather_dim)
+    m = B * s
+    a = a4.reshape(W, m, K)
+    g = torch.full((W, W * m, K), float("nan")).half()
+    outs = [torch.full((W, W * m, w.shape[2]), float("nan")).half() for w in ws]
+    RT = agm._RankTensor
+
+    def fn(view, r):
+        agm.launch(view, r, RT(a, a.stride(0), a.stride(1)), m, K, RT(g, g.stride(0), K),
+                   [RT(w, w.stride(0), agm._weight_view(w[0])[1]) for w in ws], True, [w.shape[2] for w in ws],
+                   [RT(b, b.stride(0), 1) if b is not None else None for b in bs],
+                   [RT(o, o.stride(0), o.stride(1)) for o in outs], programs=1, epilogue=epilogue,
+                   seg=s if B > 1 else None)
+
+    _run_ranks(sw, fn)
+    glead = list(lead)
+    glead[gather_dim] *= W
+    return [o.view(W, *glead, o.shape[-1]) for o in outs], g.view(W, *glead, K)
+
+
+def _check_ag_ranks(torch, SimWorld, W, lead, K, Ns, gather_dim, seed, epilogue="tma"):
+    g = torch.Generator().manual_seed(seed)
+    a4 = torch.randn(W, *lead, K, generator=g).half()
+    ws = [torch.randn(W, n, K, generator=g).half().transpose(1, 2) for n in Ns]
+    bs = [torch.randn(W, Ns[0], generator=g).half()] + [None] * (len(Ns) - 1)
+    outs, gat = _ag_ranks(torch, SimWorld(W, device="cpu"), a4, ws, bs, gather_dim, epilogue)
+    gathered = torch.cat(list(a4), dim=gather_dim)
+    for r in range(W):
+        assert torch.equal(gat[r], gathered), f"rank {r}'s gathered buffer differs from torch.cat"
+    errs = []
+    for o, w, b in zip(outs, ws, bs):
+        assert not o.isnan().any(), "output not fully written"
+        for r in range(W):
+            ref = gathered.float() @ w[r].float() + (b[r].float() if b is not None else 0)
+            errs.append(_rel(o[r], ref))
+    assert max(errs) < 1e-3, errs
+    return max(errs)
+
+
+def case_threads_ag_dim0(torch, SimWorld):
+    """The harness on the dim-0 path (unchanged kernel): W=2, ragged rows."""
+    return {"err": _check_ag_ranks(torch, SimWorld, 2, [150], 32, [40, 16], 0, seed=11)}
+
+
+def case_threads_ag_dim1(torch, SimWorld):
+    """gather_dim 1, W=2 and 3: s=64 (64-row tile) with two weights and one, s=128 (the config's tile), a 3-d
+    shard [B, s, h, K] gathered along dim 1, plain-store epilogue."""
+    res = {}
+    for W, lead, K, Ns, dim, epi in [(2, [2, 64], 32, [40, 16], 1, "tma"), (3, [3, 64], 16, [24], 1, "tma"),
+                                     (2, [2, 128], 16, [8], 1, "store"), (2, [2, 16, 4], 16, [24, 8], 1, "tma")]:
+        res[f"W{W}_{lead}_{epi}"] = _check_ag_ranks(torch, SimWorld, W, lead, K, Ns, dim, seed=12 + W, epilogue=epi)
+    return res
+
+
+def _check_rs_ranks(torch, SimWorld, W, lead, Ks, N, scatter_dim, op, seed):
+    from kosmos.kernels import ag_gemm as agm
+    from kosmos.kernels import gemm_rs as rsm
+    from kosmos.kernels import queue
+
+    g = torch.Generator().manual_seed(seed)
+    x4 = [torch.randn(W, *lead, k, generator=g).half() for k in Ks]
+    ws = [torch.randn(W, N, k, generator=g).half().transpose(1, 2) for k in Ks]
+    bias = torch.randn(W, N, generator=g).half()
+    B, S = queue.split_rows(lead, scatter_dim)
+    M = B * S
+    xs = [x.reshape(W, M, x.shape[-1]) for x in x4]
+    out = torch.full((W, M // W, N), float("nan")).half()
+    RT = agm._RankTensor
+
+    def fn(view, r):
+        rsm.launch(view, r, [RT(x, x.stride(0), x.stride(1)) for x in xs], [x.shape[2] for x in xs],
+                   [RT(w, w.stride(0), agm._weight_view(w[0])[1]) for w in ws], True, RT(bias, bias.stride(0), 1),
+                   RT(out, out.stride(0), out.stride(1)), M, N, op, programs=1, seg=S // W if B > 1 else None)
+
+    _run_ranks(SimWorld(W, device="cpu"), fn)
+    full = torch.stack([sum(x[q].float() @ w[q].float() for x, w in zip(x4, ws)) + bias[q].float()
+                        for q in range(W)])
+    red = full.sum(0) if op == "sum" else full.mean(0)
+    chunks = red.chunk(W, dim=scatter_dim)
+    olead = list(lead)
+    olead[scatter_dim] //= W
+    assert not out.isnan().any(), "output not fully written"
+    errs = [_rel(out[r].view(*olead, N), chunks[r]) for r in range(W)]
+    assert max(errs) < 1e-3, errs
+    return max(errs)
+
+
+def case_threads_rs_dim0(torch, SimWorld):
+    return {"err": _check_rs_ranks(torch, SimWorld, 2, [260], [32], 40, 0, "sum", seed=21)}
+
+
+def case_threads_rs_dim1(torch, SimWorld):
+    """scatter_dim 1, W=2 and 3: s_out=64 (64-row tile) with two pairs, s_out=128 (the config's tile), avg, and
+    a 3-d input [B, S, h, K] scattered along dim 1."""
+    res = {}
+    for W, lead, Ks, N, op in [(2, [2, 128], [32, 16], 40, "sum"), (3, [3, 192], [16], 24, "avg"),
+                               (2, [2, 256], [16], 8, "sum"), (2, [3, 32, 4], [16], 24, "avg")]:
+        res[f"W{W}_{lead}_{op}"] = _check_rs_ranks(torch, SimWorld, W, lead, Ks, N, 1, op, seed=22 + W)
+    return res
+
+
+def _main() -> None:
+    import torch
+
+    from kosmos.kernels.runtime import SimWorld
+
+    torch.manual_seed(0)
+    names = sys.argv[1:]
+    if names and names[0] == "--threads":
+        _threaded_interpreter()
+        names = names[1:]
+        from kosmos.kernels import runtime
+
+        runtime.set_spin_timeout(120.0)  # spins are counted (1 us each), and a rank may wait for the others
+    results = {}
+    for name in names:
+        try:
+            results[name] = {"ok": True, **globals()["case_" + name](torch, SimWorld)}
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+    print("RESULTS " + json.dumps(results))
+
+
+def _run_subprocess(args):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=root)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert lines, f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return _run_subprocess(CASES)
+
+
+@pytest.fixture(scope="module")
+def interpreted_threads():
+    return _run_subprocess(["--threads", *THREAD_CASES])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_interpreted(interpreted, case):
+    res = interpreted[case]
+    assert res["ok"], res.get("tb", res)
+
+
+@pytest.mark.parametrize("case", THREAD_CASES)
+def test_interpreted_threads(interpreted_threads, case):
+    res = interpreted_threads[case]
+    assert res["ok"], res.get("tb", res)
+
+
+# ---- which calls fuse (fused_ops.why_not_*'s remap rule), plain CPU: shapes only
+
+
+def test_remap_reason_rule(monkeypatch):
+    import torch
+
+    from kosmos.kernels import fused_ops
+    from kosmos.kernels.ag_gemm import ag_config
+    from kosmos.kernels.gemm_rs import rs_config
+
+    monkeypatch.setattr(fused_ops, "REMAP_ROWS", True)  # off by default until validated on a GPU
+
+    def ag(lead, dim, W, ns=(264,), K=256):
+        m = 1
+        for d in lead:
+            m *= d
+        return fused_ops._remap_reason("ag_gemm", "gather_dim", lead, dim, W,
+                                       lambda seg: ag_config(W, m, list(ns), K, torch.bfloat16, seg))
+
+    def rs(lead, dim, W, ks=(256,), N=264):
+        M = 1
+        for d in lead:
+            M *= d
+        return fused_ops._remap_reason("gemm_rs", "scatter_dim", lead, dim, W,
+                                       lambda seg: rs_config(M, N, list(ks), torch.bfloat16, W, seg))
+
+    assert ag([4, 100], 0, 8) is None  # dim 0: the old path
+    assert ag([1, 100], 1, 8) is None  # one batch entry: the dim-0 layout
+    assert ag([2, 128], 1, 8) is None and ag([3, 64], 1, 4) is None and ag([2, 32, 4], 1, 2) is None
+    r = ag([2, 8, 16], 2, 2)  # B = 16 entries of s = 16 rows: no tile divides s
+    assert r is not None and "s=16" in r, r
+    r = ag([2, 100], 1, 8)
+    assert r is not None and "rows per batch entry s=100 not a multiple of the tile" in r, r
+    assert rs([2, 1024], 1, 8) is None  # s_out = 128
+    assert rs([3, 512], 1, 8) is None  # s_out = 64: the 64-row tile
+    assert rs([2, 512], 1, 8, ks=(256, 128)) is None
+    r = rs([2, 800], 1, 8)  # s_out = 100
+    assert r is not None and "s=100" in r, r
+    old = fused_ops.REMAP_ROWS
+    fused_ops.REMAP_ROWS = False
+    try:
+        assert "REMAP_ROWS" in ag([2, 128], 1, 8)
+        assert "REMAP_ROWS" in rs([2, 1024], 1, 8)
+        assert ag([1, 128], 1, 8) is None and ag([4, 100], 0, 8) is None  # dim-0 layouts do not depend on it
+    finally:
+        fused_ops.REMAP_ROWS = old
+
+
+if __name__ == "__main__":
+    _main()

@@ -7,9 +7,11 @@
 from kosmos import ops  # noqa: F401  (registers torch.ops.kosmos.*)
 from kosmos.kernels import fused_ops as _fused_ops  # noqa: F401  (registers the fused CUDA impls)
 from kosmos.backend import kosmos_backend, register as _register
+from kosmos.hf_experts import register as register_hf_experts
 from kosmos.reporting import Report, report, reset as reset_report
 
 _register()
+register_hf_experts()  # experts_implementation="kosmos" for HF MoE models (a no-op without transformers)
 
 __all__ = ["kosmos_backend", "report", "reset_report", "Report", "explain", "parallelize"]
 

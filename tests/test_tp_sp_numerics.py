@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import run_gloo
+from _dist import run_ranks
 
 CASES = ["mlp", "attention", "batch1", "gather_dim0", "implicit", "bias"]
 
@@ -49,4 +49,4 @@ def _check_cases(rank, world, cases):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world,cases", [(2, CASES), (4, ["mlp", "implicit"])])
 def test_rewritten_cases_match_eager(world, cases):
-    run_gloo(_check_cases, world, cases)
+    run_ranks(_check_cases, world, cases)

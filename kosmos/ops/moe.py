@@ -1,0 +1,651 @@
+"""MoE ops `kosmos::moe_layer` (router -> top-k -> experts -> fold) and `kosmos::moe_experts` (experts -> fold,
+routing given), each with one backward op: schemas, fake impls, reference impls and registered autograd.
+
+Semantics (the MoE pass rewrites HF blocks to exactly this; the fused CUDA kernels must match it):
+
+moe_layer(hidden [T, H], router_weight [E, H], router_bias [E]?, score_correction_bias [E]?,
+          gate_up_proj [E, 2I, H], down_proj [E, H, I], top_k, scoring, norm_topk_prob, n_group, topk_group,
+          routed_scaling_factor, router_dtype, activation, return_router_logits, ep_group_name, ep_world_size)
+    -> (out [T, H] in hidden's dtype, router_logits [T, E] (or [0, E] unless return_router_logits),
+        tokens_per_expert [E] int32)
+
+    router (exactly HF transformers v5):
+        rd      = router_dtype or hidden.dtype
+        logits  = linear(hidden.to(rd), router_weight.to(rd), router_bias?.to(rd))           # [T, E], dtype rd
+        scores  = softmax(logits, -1, dtype=float32)   if scoring == "softmax"   (Qwen3-MoE, Mixtral, ...)
+                  sigmoid(logits)                      if scoring == "sigmoid"   (DeepSeek-V3)
+        "softmax" with no score_correction_bias and n_group == 1 (Qwen3-MoE):
+            weights, ids = topk(scores, top_k)                                     # sorted
+            weights /= weights.sum(-1, keepdim=True)                 if norm_topk_prob
+        otherwise (DeepSeek-V3 group-limited selection):
+            choice  = scores + score_correction_bias (if given)                    # selection only: no grad
+            if n_group > 1: keep the topk_group groups (of E / n_group experts) with the largest
+                            sum of their 2 best `choice` values; the others get -inf
+            ids     = topk(choice, top_k, sorted=False).indices
+            weights = scores.gather(-1, ids)
+            weights /= weights.sum(-1, keepdim=True) + (1e-20 if scoring == "sigmoid" else 0)  if norm_topk_prob
+        weights *= routed_scaling_factor                   (skipped when it is 1.0 and scoring is "softmax")
+        weights  = weights.to(logits.dtype)
+    experts (HF `grouped_mm` experts, no token dropping; every (token, slot) pair is computed):
+        for each pair (t, j), e = ids[t, j]:
+            gate, up = (hidden[t].to(W) @ gate_up_proj[e].T).chunk(2)             # W = gate_up_proj.dtype
+            y[t, j]  = (silu(gate) * up).to(down_proj.dtype) @ down_proj[e].T
+        out[t] = sum_j (y[t, j] * weights[t, j]).to(hidden.dtype)  (product in promote(W, logits) dtype,
+                 summed over j in that dtype, then cast; the order of the j terms is not part of the contract)
+        tokens_per_expert[e] = number of pairs routed to e
+
+moe_experts(hidden [T, H], topk_ids [T, k] int, topk_weights [T, k], gate_up_proj, down_proj, activation,
+            ep_group_name, ep_world_size) -> (out [T, H], tokens_per_expert [E] int32)
+    the experts part above, with the routing given (the HF experts interface route, kosmos.hf_experts).
+
+Backward ops (one launch per direction; registered as the ops' autograd, so after AOT autograd the backward
+graph holds one call per MoE layer):
+    moe_layer_backward(grad_out, grad_router_logits?, <moe_layer's inputs but return_router_logits>)
+        -> [d_hidden, d_router_weight, d_gate_up_proj, d_down_proj] (+ [d_router_bias] if router_bias is given)
+    moe_experts_backward(grad_out, <moe_experts' inputs>) -> [d_hidden, d_topk_weights, d_gate_up_proj, d_down_proj]
+They save nothing but the forward's inputs and recompute what they need: the reference recomputes the routing
+and the up projection (`route_backward`, `experts_backward`: matmuls in the weights' dtype, sums in fp32).
+score_correction_bias and topk_ids get no gradient.
+
+Expert parallelism (EP): with `ep_group_name` (a process group of `ep_world_size` ranks) the expert weights are
+this rank's contiguous slice: gate_up_proj [E_loc, 2I, H], down_proj [E_loc, H, I], rank r owning the global
+experts [r * E_loc, (r + 1) * E_loc), E = E_loc * ep_world_size. Everything else is per rank: hidden (and grad_out)
+are this rank's own T tokens (T may differ between ranks), router_weight [E, H] and the biases are replicated, and
+topk_ids hold global expert ids. Each rank routes its own tokens over all E experts; the routed (token, slot) rows
+travel to their experts' owners and the expert outputs come back (all-to-all both ways), so `out` is exactly the
+unsharded op's output for this rank's tokens. Gradients: d_hidden / d_topk_weights / router grads are this rank's
+share (of its own tokens; summing the router grads over the group is the caller's job, e.g. kosmos.parallelize's
+gradient hook), d_gate_up_proj / d_down_proj are the full gradients of the local experts (rows from all ranks).
+tokens_per_expert is GLOBAL under EP: [E] pairs routed to each expert by all ranks of the group (summed over the
+group; DeepSeek-V3's bias update wants the global load); without EP it counts this rank's pairs.
+
+The EP reference impl (`ep_experts`, `ep_experts_backward`) uses functional collectives on the group:
+    1. all_to_all_single of the per-expert pair counts [E] (-> [ep, E_loc]: what each source sends to each of my
+       experts), then `.tolist()`: ONE HOST SYNC per call (per direction), because all_to_all_single takes its
+       split sizes as host ints. Acceptable for the reference path; the fused kernel exchanges counts on device.
+    2. dispatch: all_to_all_single of the routed token rows (sorted by expert, hence by owner) to the owners;
+       backward also dispatches d_y = grad_out[token] * weight rows.
+    3. the owner runs its local experts on the rows grouped by expert (sources in rank order), then
+    4. combine: all_to_all_single of the expert outputs y (backward: y and d_x rows) back to their home ranks,
+       where the weighting and the fold over the k slots happen in the same order as without EP.
+    5. tokens_per_expert: all_reduce (sum) of the per-rank counts.
+No token is dropped; output shapes do not depend on the routing (the fake impls agree).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kosmos.ops import dispatch
+
+SCORINGS = ("softmax", "sigmoid")
+ACTIVATIONS = ("silu",)
+_SIGMOID_NORM_EPS = 1e-20  # DeepSeek-V3's renormalisation epsilon
+
+
+# ----------------------------------------------------------------------------------------------- checks
+
+
+def _check_experts_args(op: str, hidden, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size) -> None:
+    if hidden.dim() != 2:
+        raise ValueError(f"kosmos::{op}: hidden must be [T, H], got {tuple(hidden.shape)}")
+    if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+        raise ValueError(
+            f"kosmos::{op}: gate_up_proj must be [E, 2I, H] and down_proj [E, H, I], got "
+            f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}"
+        )
+    e, two_i, h = gate_up_proj.shape
+    if h != hidden.shape[1] or two_i % 2 != 0 or tuple(down_proj.shape) != (e, h, two_i // 2):
+        raise ValueError(
+            f"kosmos::{op}: shapes do not fit: hidden {tuple(hidden.shape)}, gate_up_proj {tuple(gate_up_proj.shape)} "
+            f"(expected [E, 2I, H={hidden.shape[1]}]), down_proj {tuple(down_proj.shape)} (expected [E, H, I])"
+        )
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"kosmos::{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if ep_group_name is None and ep_world_size != 1:
+        raise ValueError(f"kosmos::{op}: ep_world_size={ep_world_size} needs an ep_group_name (None: all experts local)")
+    if ep_world_size < 1:
+        raise ValueError(f"kosmos::{op}: ep_world_size={ep_world_size} must be >= 1")
+
+
+def _check_ep_group(op: str, ep_group_name, ep_world_size) -> None:
+    """Reference impl only (real process groups): the group exists and has ep_world_size ranks."""
+    if ep_group_name is None:
+        return
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    size = _resolve_process_group(ep_group_name).size()
+    if size != ep_world_size:
+        raise ValueError(f"kosmos::{op}: ep_world_size={ep_world_size} but group {ep_group_name!r} has {size} ranks")
+
+
+def _check_router_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, top_k, scoring,
+                       n_group, topk_group, ep_world_size=1) -> None:
+    e = gate_up_proj.shape[0] * ep_world_size  # all experts (EP: gate_up_proj holds this rank's E / ep_world_size)
+    if router_weight.dim() != 2 or tuple(router_weight.shape) != (e, hidden.shape[1]):
+        raise ValueError(
+            f"kosmos::moe_layer: router_weight must be [E={e}, H={hidden.shape[1]}], got {tuple(router_weight.shape)}"
+        )
+    for name, b in (("router_bias", router_bias), ("score_correction_bias", score_correction_bias)):
+        if b is not None and tuple(b.shape) != (e,):
+            raise ValueError(f"kosmos::moe_layer: {name} must be [E={e}], got {tuple(b.shape)}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"kosmos::moe_layer: scoring must be one of {SCORINGS}, got {scoring!r}")
+    if not 1 <= top_k <= e:
+        raise ValueError(f"kosmos::moe_layer: top_k={top_k} must be in [1, E={e}]")
+    if n_group < 1 or e % n_group != 0 or not 1 <= topk_group <= n_group:
+        raise ValueError(
+            f"kosmos::moe_layer: n_group={n_group}, topk_group={topk_group} must satisfy E={e} % n_group == 0 and "
+            "1 <= topk_group <= n_group"
+        )
+    if n_group > 1 and e // n_group < 2:
+        raise ValueError(f"kosmos::moe_layer: group-limited routing needs >= 2 experts per group, got {e // n_group}")
+
+
+def _check_routing(hidden, topk_ids, topk_weights, gate_up_proj) -> None:
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0] or topk_ids.dtype.is_floating_point:
+        raise ValueError(f"kosmos::moe_experts: topk_ids must be integer [T={hidden.shape[0]}, k], got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"kosmos::moe_experts: topk_weights {tuple(topk_weights.shape)} != topk_ids {tuple(topk_ids.shape)}")
+
+
+# ------------------------------------------------------------------------------------ reference math
+
+
+def _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring, norm_topk_prob,
+                   n_group, topk_group, routed_scaling_factor, router_dtype):
+    """The router of the module docstring, keeping what its backward needs."""
+    if router_dtype is not None:
+        hidden, router_weight = hidden.to(router_dtype), router_weight.to(router_dtype)
+        router_bias = router_bias.to(router_dtype) if router_bias is not None else None
+    logits = F.linear(hidden, router_weight, router_bias)
+    if scoring == "softmax":
+        scores = F.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = logits.sigmoid()
+    eps = 0.0
+    if scoring == "softmax" and score_correction_bias is None and n_group == 1:
+        raw, ids = torch.topk(scores, top_k, dim=-1)
+    else:
+        num_experts = scores.shape[-1]
+        choice = scores + score_correction_bias if score_correction_bias is not None else scores
+        if n_group > 1:
+            group_scores = choice.view(-1, n_group, num_experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+            group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, num_experts // n_group).reshape(-1, num_experts)
+            choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+        raw = scores.gather(1, ids)
+        eps = _SIGMOID_NORM_EPS if scoring == "sigmoid" else 0.0
+    normed, denominator = raw, None
+    if norm_topk_prob:
+        denominator = raw.sum(dim=-1, keepdim=True)
+        if eps:
+            denominator = denominator + eps
+        normed = raw / denominator
+    scaled = scoring == "sigmoid" or routed_scaling_factor != 1.0
+    weights = normed * routed_scaling_factor if scaled else normed
+    state = dict(hidden=hidden, router_weight=router_weight, scores=scores, normed=normed, denominator=denominator,
+                 scaled=scaled)
+    return logits, ids, weights.to(logits.dtype), state
+
+
+def route(hidden, router_weight, router_bias, score_correction_bias, top_k: int, scoring: str, norm_topk_prob: bool,
+          n_group: int, topk_group: int, routed_scaling_factor: float, router_dtype):
+    """The router of the module docstring: returns (logits [T, E], topk_ids [T, k], topk_weights [T, k])."""
+    logits, ids, weights, _ = _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring,
+                                             norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype)
+    return logits, ids, weights
+
+
+def route_backward(d_weights, d_logits_out, routed, router_weight, router_bias, scoring, routed_scaling_factor):
+    """Gradients of the router, given `routed` = _route_forward(...) of the same inputs: d_weights [T, k] (of its
+    weights output) and d_logits_out [T, E] (of its logits output, or None) -> (d_hidden fp32, d_router_weight,
+    d_router_bias or None). The routing choices (top-k ids, score_correction_bias) get no gradient."""
+    logits, ids, _, st = routed
+    scores = st["scores"]
+    d = d_weights.to(scores.dtype)
+    if st["scaled"]:
+        d = d * routed_scaling_factor
+    if st["denominator"] is not None:  # w = raw / (sum(raw) + eps)
+        d = (d - (d * st["normed"]).sum(dim=-1, keepdim=True)) / st["denominator"]
+    d_scores = torch.zeros_like(scores).scatter_(1, ids, d)  # top-k ids of a row are distinct
+    if scoring == "softmax":
+        d_logits = scores * (d_scores - (d_scores * scores).sum(dim=-1, keepdim=True))
+    else:
+        d_logits = d_scores * scores * (1 - scores)
+    d_logits = d_logits.float()
+    if d_logits_out is not None:
+        d_logits = d_logits + d_logits_out.float()
+    d_logits = d_logits.to(logits.dtype)
+    h, w = st["hidden"], st["router_weight"]
+    d_hidden = (d_logits @ w).float()
+    d_router_weight = (d_logits.transpose(0, 1) @ h).to(router_weight.dtype)
+    d_router_bias = d_logits.float().sum(0).to(router_bias.dtype) if router_bias is not None else None
+    return d_hidden, d_router_weight, d_router_bias
+
+
+def _sort_pairs(topk_ids, num_experts):
+    """(perm, token of each sorted pair, per-expert counts as a host list) for the (token, slot) pairs."""
+    expert_ids = topk_ids.reshape(-1)
+    _, perm = torch.sort(expert_ids)
+    counts = torch.bincount(expert_ids, minlength=num_experts)
+    return perm, perm // topk_ids.shape[1], counts
+
+
+def _expert_up(x, gate_up_e, down_dtype):
+    gate, up = (x @ gate_up_e.transpose(0, 1)).chunk(2, dim=-1)
+    silu = F.silu(gate)
+    return gate, up, silu, (silu * up).to(down_dtype)
+
+
+def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu"):
+    """The experts of the module docstring (HF's grouped_mm experts, one matmul per expert); returns
+    (out [T, H], tokens_per_expert [E] int32)."""
+    num_tokens, hidden_dim = hidden.shape
+    top_k = topk_ids.shape[1]
+    perm, token, counts = _sort_pairs(topk_ids, gate_up_proj.shape[0])
+    x = hidden[token].to(gate_up_proj.dtype)
+    pieces, start = [], 0
+    for e, n in enumerate(counts.tolist()):  # one host sync: this is the reference impl
+        if n == 0:
+            continue
+        act = _expert_up(x[start : start + n], gate_up_proj[e], down_proj.dtype)[3]
+        pieces.append(act @ down_proj[e].transpose(0, 1))
+        start += n
+    y = torch.cat(pieces) if pieces else x.new_empty(0, hidden_dim, dtype=down_proj.dtype)
+    weighted = y * topk_weights.reshape(-1)[perm].unsqueeze(-1)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
+    out = weighted[inv_perm].view(num_tokens, top_k, hidden_dim).sum(dim=1).to(hidden.dtype)
+    return out, counts.to(torch.int32)
+
+
+def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu"):
+    """Gradients of `experts` -> (d_hidden fp32 [T, H], d_topk_weights, d_gate_up_proj, d_down_proj).
+    Recomputes the up projection; matmuls run in the weights' dtype, sums accumulate in fp32."""
+    num_tokens, hidden_dim = hidden.shape
+    perm, token, counts = _sort_pairs(topk_ids, gate_up_proj.shape[0])
+    x = hidden[token].to(gate_up_proj.dtype)
+    w_sorted = topk_weights.reshape(-1)[perm]
+    product_dtype = torch.promote_types(down_proj.dtype, topk_weights.dtype)
+    g_sorted = grad_out.to(product_dtype)[token]  # d(weighted pair): the fold sums the pairs of a token
+    d_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    d_w_sorted = torch.zeros(w_sorted.shape, dtype=torch.float32, device=x.device)
+    d_gate_up = torch.zeros_like(gate_up_proj)
+    d_down = torch.zeros_like(down_proj)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        gate, up, silu, act = _expert_up(x[rows], gate_up_proj[e], down_proj.dtype)
+        y = act @ down_proj[e].transpose(0, 1)
+        g = g_sorted[rows]
+        d_w_sorted[rows] = (g * y.to(product_dtype)).float().sum(dim=-1)
+        d_y = (g * w_sorted[rows].unsqueeze(-1)).to(y.dtype)
+        d_down[e] = d_y.transpose(0, 1) @ act
+        d_act = (d_y @ down_proj[e]).to(silu.dtype)
+        sig = torch.sigmoid(gate)
+        d_gate = d_act * up * (sig * (1 + gate * (1 - sig)))
+        d_h = torch.cat([d_gate, d_act * silu], dim=-1)
+        d_gate_up[e] = d_h.transpose(0, 1) @ x[rows]
+        d_x[rows] = (d_h @ gate_up_proj[e]).float()
+        start += n
+    d_hidden = torch.zeros(num_tokens, hidden_dim, dtype=torch.float32, device=x.device).index_add_(0, token, d_x)
+    d_weights = torch.empty_like(d_w_sorted)
+    d_weights[perm] = d_w_sorted
+    return d_hidden, d_weights.view(topk_ids.shape).to(topk_weights.dtype), d_gate_up, d_down
+
+
+# ------------------------------------------------------------------------------- expert parallelism
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group_name: str) -> torch.Tensor:
+    fc = torch.ops._c10d_functional
+    return fc.wait_tensor(fc.all_to_all_single(x.contiguous(), out_splits, in_splits, group_name))
+
+
+def _all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    fc = torch.ops._c10d_functional
+    return fc.wait_tensor(fc.all_reduce(x.contiguous(), "sum", group_name))
+
+
+class _EpPlan:
+    """Where the routed (token, slot) pairs of this rank go, and what this rank's experts receive.
+
+    Home side: `perm` sorts the pairs by global expert id (hence by owner rank), `token` is each sorted pair's
+    token, `send_splits[d]` how many sorted pairs go to rank d. Expert side: `recv_splits[s]` rows arrive from
+    rank s (grouped by local expert inside each source); `order` lists the received rows expert-major (expert 0's
+    rows from ranks 0, 1, ..., then expert 1's, ...), `local_counts[j]` how many rows local expert j gets."""
+
+    def __init__(self, topk_ids: torch.Tensor, num_local: int, group_name: str, ep_world_size: int):
+        num_experts = num_local * ep_world_size
+        expert_ids = topk_ids.reshape(-1).long()
+        _, self.perm = torch.sort(expert_ids, stable=True)
+        self.token = self.perm // topk_ids.shape[1]
+        self.counts = torch.bincount(expert_ids, minlength=num_experts)  # [E], this rank's pairs
+        # recv[s, j]: pairs rank s sends to my local expert j (an all_to_all of the [ep, E_loc] count matrix)
+        recv = _all_to_all(self.counts, [num_local] * ep_world_size, [num_local] * ep_world_size, group_name)
+        # the reference path's one host sync: all_to_all_single takes host split sizes
+        send = self.counts.view(ep_world_size, num_local).sum(1).tolist()
+        recv = recv.view(ep_world_size, num_local).tolist()
+        self.send_splits, self.recv_splits = send, [sum(row) for row in recv]
+        self.local_counts = [sum(recv[s][j] for s in range(ep_world_size)) for j in range(num_local)]
+        # local expert of each received row (source-major), stably sorted: expert-major, sources in rank order
+        device = topk_ids.device
+        row_expert = torch.arange(num_local, device=device).repeat(ep_world_size).repeat_interleave(
+            torch.tensor([n for row in recv for n in row], dtype=torch.long, device=device))
+        self.order = torch.sort(row_expert, stable=True).indices
+        self.group_name, self.ep_world_size = group_name, ep_world_size
+
+    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
+        """Home rows (sorted-pair order) -> the rows this rank's experts receive, expert-major."""
+        return _all_to_all(rows, self.recv_splits, self.send_splits, self.group_name)[self.order]
+
+    def combine(self, rows: torch.Tensor) -> torch.Tensor:
+        """Expert-major rows computed here -> their home ranks, in the home's sorted-pair order."""
+        received = torch.empty_like(rows)
+        received[self.order] = rows
+        return _all_to_all(received, self.send_splits, self.recv_splits, self.group_name)
+
+    def global_counts(self) -> torch.Tensor:
+        return _all_reduce_sum(self.counts, self.group_name).to(torch.int32)
+
+
+def ep_experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str, group_name: str,
+               ep_world_size: int):
+    """`experts` with the experts spread over the EP group (module docstring): gate_up_proj / down_proj are this
+    rank's E_loc experts, topk_ids global; returns (out [T, H] of this rank's tokens, global tokens_per_expert)."""
+    num_tokens, hidden_dim = hidden.shape
+    top_k = topk_ids.shape[1]
+    plan = _EpPlan(topk_ids, gate_up_proj.shape[0], group_name, ep_world_size)
+    x = plan.dispatch(hidden[plan.token].to(gate_up_proj.dtype))
+    y = x.new_empty(x.shape[0], hidden_dim, dtype=down_proj.dtype)
+    start = 0
+    for e, n in enumerate(plan.local_counts):
+        if n:
+            act = _expert_up(x[start : start + n], gate_up_proj[e], down_proj.dtype)[3]
+            y[start : start + n] = act @ down_proj[e].transpose(0, 1)
+        start += n
+    y_home = plan.combine(y)  # [T * k, H], sorted-pair order
+    weighted = y_home * topk_weights.reshape(-1)[plan.perm].unsqueeze(-1)
+    inv_perm = torch.empty_like(plan.perm)
+    inv_perm[plan.perm] = torch.arange(plan.perm.numel(), device=plan.perm.device)
+    out = weighted[inv_perm].view(num_tokens, top_k, hidden_dim).sum(dim=1).to(hidden.dtype)
+    return out, plan.global_counts()
+
+
+def ep_experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str,
+                        group_name: str, ep_world_size: int):
+    """Gradients of `ep_experts` -> (d_hidden fp32 [T, H], d_topk_weights [T, k], d_gate_up_proj, d_down_proj of
+    the local experts). Home: d_y = grad_out[token] * weight rows go to the experts with the token rows; the
+    experts recompute y and send back y (for d_topk_weights, computed at home) and d_x (folded into d_hidden)."""
+    num_tokens, hidden_dim = hidden.shape
+    plan = _EpPlan(topk_ids, gate_up_proj.shape[0], group_name, ep_world_size)
+    product_dtype = torch.promote_types(down_proj.dtype, topk_weights.dtype)
+    w_sorted = topk_weights.reshape(-1)[plan.perm]
+    g_sorted = grad_out.to(product_dtype)[plan.token]
+    x = plan.dispatch(hidden[plan.token].to(gate_up_proj.dtype))
+    d_y_all = plan.dispatch((g_sorted * w_sorted.unsqueeze(-1)).to(down_proj.dtype))
+    y = x.new_empty(x.shape[0], hidden_dim, dtype=down_proj.dtype)
+    d_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    d_gate_up = torch.zeros_like(gate_up_proj)
+    d_down = torch.zeros_like(down_proj)
+    start = 0
+    for e, n in enumerate(plan.local_counts):
+        if not n:
+            continue
+        rows = slice(start, start + n)
+        gate, up, silu, act = _expert_up(x[rows], gate_up_proj[e], down_proj.dtype)
+        y[rows] = act @ down_proj[e].transpose(0, 1)
+        d_y = d_y_all[rows]
+        d_down[e] = d_y.transpose(0, 1) @ act
+        d_act = (d_y @ down_proj[e]).to(silu.dtype)
+        sig = torch.sigmoid(gate)
+        d_gate = d_act * up * (sig * (1 + gate * (1 - sig)))
+        d_h = torch.cat([d_gate, d_act * silu], dim=-1)
+        d_gate_up[e] = d_h.transpose(0, 1) @ x[rows]
+        d_x[rows] = (d_h @ gate_up_proj[e]).float()
+        start += n
+    y_home, d_x_home = plan.combine(y), plan.combine(d_x)
+    d_w_sorted = (g_sorted * y_home.to(product_dtype)).float().sum(dim=-1)
+    d_hidden = torch.zeros(num_tokens, hidden_dim, dtype=torch.float32, device=hidden.device)
+    d_hidden.index_add_(0, plan.token, d_x_home)
+    d_weights = torch.empty_like(d_w_sorted)
+    d_weights[plan.perm] = d_w_sorted
+    return d_hidden, d_weights.view(topk_ids.shape).to(topk_weights.dtype), d_gate_up, d_down
+
+
+def _experts_any(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size):
+    if ep_group_name is None:
+        return experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation)
+    return ep_experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation, ep_group_name,
+                      ep_world_size)
+
+
+def _experts_backward_any(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation,
+                          ep_group_name, ep_world_size):
+    if ep_group_name is None:
+        return experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation)
+    return ep_experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation,
+                               ep_group_name, ep_world_size)
+
+
+# --------------------------------------------------------------------------------------- moe_layer
+
+
+@torch.library.custom_op("kosmos::moe_layer", mutates_args=())
+def moe_layer(
+    hidden: torch.Tensor,
+    router_weight: torch.Tensor,
+    router_bias: Optional[torch.Tensor],
+    score_correction_bias: Optional[torch.Tensor],
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    norm_topk_prob: bool,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    router_dtype: Optional[torch.dtype] = None,
+    activation: str = "silu",
+    return_router_logits: bool = False,
+    ep_group_name: Optional[str] = None,
+    ep_world_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
+            norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
+            return_router_logits, ep_group_name, ep_world_size)
+    _check_layer_args(*args)
+    fused = dispatch.fused_impl("moe_layer", hidden.device, *args)
+    if fused is not None:
+        return fused(*args)
+    logits, ids, weights = route(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring,
+                                 norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype)
+    _check_ep_group("moe_layer", ep_group_name, ep_world_size)
+    out, counts = _experts_any(hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
+    return out, (logits if return_router_logits else logits.new_empty(0, logits.shape[1])), counts
+
+
+def _check_layer_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
+                      scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
+                      return_router_logits, ep_group_name, ep_world_size):
+    _check_experts_args("moe_layer", hidden, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
+    _check_router_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, top_k, scoring,
+                       n_group, topk_group, ep_world_size)
+
+
+@moe_layer.register_fake
+def _moe_layer_fake(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
+                    scoring, norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
+                    activation="silu", return_router_logits=False, ep_group_name=None, ep_world_size=1):
+    _check_layer_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
+                      scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
+                      return_router_logits, ep_group_name, ep_world_size)
+    e = gate_up_proj.shape[0] * ep_world_size
+    logits_dtype = router_dtype or hidden.dtype
+    rows = hidden.shape[0] if return_router_logits else 0
+    return (
+        hidden.new_empty(hidden.shape),
+        hidden.new_empty(rows, e, dtype=logits_dtype),
+        hidden.new_empty(e, dtype=torch.int32),
+    )
+
+
+@torch.library.custom_op("kosmos::moe_layer_backward", mutates_args=())
+def moe_layer_backward(
+    grad_out: torch.Tensor,
+    grad_router_logits: Optional[torch.Tensor],
+    hidden: torch.Tensor,
+    router_weight: torch.Tensor,
+    router_bias: Optional[torch.Tensor],
+    score_correction_bias: Optional[torch.Tensor],
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k: int,
+    scoring: str,
+    norm_topk_prob: bool,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    router_dtype: Optional[torch.dtype],
+    activation: str,
+    ep_group_name: Optional[str],
+    ep_world_size: int,
+) -> list[torch.Tensor]:
+    args = (grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
+            down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
+            activation, ep_group_name, ep_world_size)
+    fused = dispatch.fused_impl("moe_layer_backward", hidden.device, *args)
+    if fused is not None:
+        return fused(*args)
+    routed = _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring, norm_topk_prob,
+                            n_group, topk_group, routed_scaling_factor, router_dtype)
+    _, ids, weights, _ = routed
+    _check_ep_group("moe_layer_backward", ep_group_name, ep_world_size)
+    d_hidden, d_weights, d_gate_up, d_down = _experts_backward_any(grad_out, hidden, ids, weights, gate_up_proj,
+                                                                   down_proj, activation, ep_group_name, ep_world_size)
+    d_hidden_router, d_router_weight, d_router_bias = route_backward(
+        d_weights, grad_router_logits, routed, router_weight, router_bias, scoring, routed_scaling_factor)
+    grads = [(d_hidden + d_hidden_router).to(hidden.dtype), d_router_weight, d_gate_up, d_down]
+    return grads + ([d_router_bias] if router_bias is not None else [])
+
+
+@moe_layer_backward.register_fake
+def _moe_layer_backward_fake(grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias,
+                             gate_up_proj, down_proj, *rest):
+    grads = [torch.empty_like(hidden), torch.empty_like(router_weight), torch.empty_like(gate_up_proj),
+             torch.empty_like(down_proj)]
+    return grads + ([torch.empty_like(router_bias)] if router_bias is not None else [])
+
+
+_LAYER_SCALARS = ("top_k", "scoring", "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
+                  "router_dtype", "activation", "return_router_logits", "ep_group_name", "ep_world_size")
+
+
+def _moe_layer_setup_context(ctx, inputs, output):
+    hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj = inputs[:6]
+    ctx.save_for_backward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj)
+    ctx.scalars = dict(zip(_LAYER_SCALARS, inputs[6:]))
+
+
+def _moe_layer_autograd(ctx, grad_out, grad_router_logits, _grad_counts):
+    hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj = ctx.saved_tensors
+    s = ctx.scalars
+    if not s["return_router_logits"]:
+        grad_router_logits = None
+    grads = torch.ops.kosmos.moe_layer_backward(
+        grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
+        down_proj, s["top_k"], s["scoring"], s["norm_topk_prob"], s["n_group"], s["topk_group"],
+        s["routed_scaling_factor"], s["router_dtype"], s["activation"], s["ep_group_name"], s["ep_world_size"],
+    )
+    d_hidden, d_router_weight, d_gate_up, d_down = grads[:4]
+    d_router_bias = grads[4] if router_bias is not None else None
+    return (d_hidden, d_router_weight, d_router_bias, None, d_gate_up, d_down) + (None,) * len(_LAYER_SCALARS)
+
+
+moe_layer.register_autograd(_moe_layer_autograd, setup_context=_moe_layer_setup_context)
+
+
+# ------------------------------------------------------------------------------------- moe_experts
+
+
+@torch.library.custom_op("kosmos::moe_experts", mutates_args=())
+def moe_experts(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    activation: str = "silu",
+    ep_group_name: Optional[str] = None,
+    ep_world_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
+    _check_experts_args("moe_experts", hidden, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
+    _check_routing(hidden, topk_ids, topk_weights, gate_up_proj)
+    fused = dispatch.fused_impl("moe_experts", hidden.device, *args)
+    if fused is not None:
+        return fused(*args)
+    _check_ep_group("moe_experts", ep_group_name, ep_world_size)
+    return _experts_any(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation, ep_group_name,
+                        ep_world_size)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation="silu",
+                      ep_group_name=None, ep_world_size=1):
+    _check_experts_args("moe_experts", hidden, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
+    _check_routing(hidden, topk_ids, topk_weights, gate_up_proj)
+    return hidden.new_empty(hidden.shape), hidden.new_empty(gate_up_proj.shape[0] * ep_world_size, dtype=torch.int32)
+
+
+@torch.library.custom_op("kosmos::moe_experts_backward", mutates_args=())
+def moe_experts_backward(
+    grad_out: torch.Tensor,
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    activation: str,
+    ep_group_name: Optional[str],
+    ep_world_size: int,
+) -> list[torch.Tensor]:
+    args = (grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation, ep_group_name,
+            ep_world_size)
+    fused = dispatch.fused_impl("moe_experts_backward", hidden.device, *args)
+    if fused is not None:
+        return fused(*args)
+    _check_ep_group("moe_experts_backward", ep_group_name, ep_world_size)
+    d_hidden, d_weights, d_gate_up, d_down = _experts_backward_any(grad_out, hidden, topk_ids, topk_weights,
+                                                                   gate_up_proj, down_proj, activation, ep_group_name,
+                                                                   ep_world_size)
+    return [d_hidden.to(hidden.dtype), d_weights, d_gate_up, d_down]
+
+
+@moe_experts_backward.register_fake
+def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, *rest):
+    return [torch.empty_like(t) for t in (hidden, topk_weights, gate_up_proj, down_proj)]
+
+
+def _moe_experts_setup_context(ctx, inputs, output):
+    hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size = inputs
+    ctx.save_for_backward(hidden, topk_ids, topk_weights, gate_up_proj, down_proj)
+    ctx.scalars = (activation, ep_group_name, ep_world_size)
+
+
+def _moe_experts_autograd(ctx, grad_out, _grad_counts):
+    hidden, topk_ids, topk_weights, gate_up_proj, down_proj = ctx.saved_tensors
+    d_hidden, d_weights, d_gate_up, d_down = torch.ops.kosmos.moe_experts_backward(
+        grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, *ctx.scalars
+    )
+    return d_hidden, None, d_weights, d_gate_up, d_down, None, None, None
+
+
+moe_experts.register_autograd(_moe_experts_autograd, setup_context=_moe_experts_setup_context)

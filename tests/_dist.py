@@ -1,0 +1,100 @@
+"""Helpers for TP tests: gloo process groups on this machine, and tiny HF models built from configs.
+
+    results = run_ranks(fn, world_size, *args)   # fn(rank, world_size, *args) in each of `world_size` processes
+    model = tiny_hf_model("qwen3", seed=0)       # random weights, nothing downloaded
+
+Each rank runs in a fresh `spawn`ed process with a gloo default process group on a FileStore, one
+intra-op thread (CI has 2 cores), and returns `fn`'s result (anything torch.save can write);
+`run_ranks` returns the list of results ordered by rank. An exception in any rank fails the call with
+that rank's traceback. `fn` must be importable by name (a module-level function).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Callable, args: tuple, threads: int) -> None:
+    torch.set_num_threads(threads)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        out = fn(rank, world_size, *args)
+        torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
+    except BaseException:
+        # mp.spawn shows the exception too, but the full chained traceback is easier to read from the file
+        with open(os.path.join(result_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, threads: int = 1) -> list:
+    """Runs fn(rank, world_size, *args) on `world_size` gloo ranks; returns their results by rank.
+
+    The ranks share a private Inductor cache (a fresh folder), so runs beside this one cannot race on
+    its files."""
+    with tempfile.TemporaryDirectory(prefix="kosmos_dist_") as tmp:
+        store_path = os.path.join(tmp, "store")
+        old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+        try:
+            mp.spawn(_worker, args=(world_size, store_path, tmp, fn, args, threads), nprocs=world_size, join=True)
+        except Exception as e:
+            errs = sorted(f for f in os.listdir(tmp) if f.endswith(".err"))
+            detail = "\n".join(open(os.path.join(tmp, f)).read() for f in errs[:1])
+            raise RuntimeError(f"rank(s) failed: {errs}\n{detail}") from e
+        finally:
+            if old is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny HF models (random weights from a seed; built from configs, nothing is downloaded)
+
+VOCAB, SEQ = 256, 16
+
+
+def tiny_hf_model(family: str, *, seed: int = 0, num_key_value_heads: int = 2, tie: bool = False, **overrides):
+    """A 2-layer proxy of `family` ("qwen3", "qwen3_moe", "deepseek_v3"): hidden 64, 4 heads of 16, vocab 256.
+
+    Qwen3-MoE: layer 0 dense, layer 1 sparse (4 experts, top-2). DeepSeek-V3: MLA (q_lora 32, kv_lora
+    16), layer 0 dense (first_k_dense_replace=1), layer 1 MoE (4 routed experts, top-2, 1 shared)."""
+    import transformers as T
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128,
+        rms_norm_eps=1e-6, tie_word_embeddings=tie, intermediate_size=128,
+    )
+    if family == "qwen3":
+        cfg = T.Qwen3Config(**{**common, "num_key_value_heads": num_key_value_heads, "head_dim": 16, **overrides})
+        cls = T.Qwen3ForCausalLM
+    elif family == "qwen3_moe":
+        moe = dict(
+            num_key_value_heads=num_key_value_heads, head_dim=16, moe_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=2, mlp_only_layers=[0], decoder_sparse_step=1, norm_topk_prob=True,
+        )
+        cfg = T.Qwen3MoeConfig(**{**common, **moe, **overrides})
+        cls = T.Qwen3MoeForCausalLM
+    elif family == "deepseek_v3":
+        mla = dict(
+            num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        )
+        cfg = T.DeepseekV3Config(**{**common, **mla, **overrides})
+        cls = T.DeepseekV3ForCausalLM
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    torch.manual_seed(seed)
+    return cls(cfg)

@@ -1,0 +1,167 @@
+"""Numerics of the MoE ops and of models compiled with kosmos (single process, CPU, reference impls):
+the ops against HF's experts and torch autograd, and tiny HF models compiled with backend="kosmos" against
+eager (loss, aux loss and every parameter's gradient)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import kosmos  # noqa: E402
+import kosmos.hf_experts  # noqa: E402,F401  (registers experts_implementation="kosmos")
+from kosmos.ops import moe as moe_ops  # noqa: E402
+from test_moe_pass import CASES, IDS, MODELS, _loss_and_grads, compile_run, count, model_run, token_ids, tiny_qwen3_moe  # noqa: E402
+
+FP32_TOL = 1e-5
+BF16_TOL = 3e-2
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    denom = ref.norm().item()
+    return (out - ref).norm().item() / denom if denom > 0 else (out - ref).norm().item()
+
+
+def assert_close_grads(grads: dict, ref: dict, tol: float) -> None:
+    assert grads.keys() == ref.keys(), sorted(set(grads) ^ set(ref))
+    errs = {name: rel_err(grads[name], ref[name]) for name in ref}
+    bad = {n: e for n, e in errs.items() if not e <= tol}
+    assert not bad, f"grads over {tol}: {bad}"
+
+
+# ------------------------------------------------------------------------------------------- ops
+
+
+def _inputs(dtype=torch.float32, T=24, H=32, E=8, I=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=0.5):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype).requires_grad_()
+
+    return rnd(T, H), rnd(E, H), rnd(E, 2 * I, H, scale=0.2), rnd(E, H, I, scale=0.2)
+
+
+ROUTERS = {  # scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, correction, bias
+    "qwen3": ("softmax", True, 1, 1, 1.0, None, False, False),
+    "mixtral_no_renorm": ("softmax", False, 1, 1, 1.0, None, False, True),
+    "deepseek_v3": ("sigmoid", True, 4, 2, 2.5, torch.float32, True, False),
+    "sigmoid_plain": ("sigmoid", False, 1, 1, 1.0, None, False, True),
+}
+
+
+def _layer_args(h, w, gu, d, router, top_k=3, return_logits=True):
+    scoring, norm, n_group, topk_group, scale, rd, correction, bias = ROUTERS[router]
+    e = w.shape[0]
+    rb = (torch.linspace(-0.1, 0.1, e, dtype=w.dtype)).requires_grad_() if bias else None
+    sb = torch.linspace(-0.05, 0.05, e) if correction else None
+    return (h, w, rb, sb, gu, d, top_k, scoring, norm, n_group, topk_group, scale, rd, "silu", return_logits, None, 1)
+
+
+def test_experts_match_hf_grouped_mm_experts():
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    experts = tiny_qwen3_moe(num_hidden_layers=1).model.layers[0].mlp.experts
+    h = torch.randn(40, 64)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(40)])
+    w = torch.rand(40, 2)
+    with torch.no_grad():
+        ref = grouped_mm_experts_forward(experts, h, ids, w)
+        out, counts = torch.ops.kosmos.moe_experts(h, ids, w, experts.gate_up_proj, experts.down_proj)
+    assert rel_err(out, ref) <= 1e-6
+    assert counts.dtype == torch.int32 and counts.tolist() == torch.bincount(ids.flatten(), minlength=8).tolist()
+
+
+def test_router_matches_hf_routers():
+    qwen = tiny_qwen3_moe(num_hidden_layers=1).model.layers[0].mlp.gate
+    from test_moe_pass import tiny_deepseek_v3
+
+    ds = tiny_deepseek_v3().model.layers[1].mlp.gate
+    h = torch.randn(32, 64)
+    with torch.no_grad():
+        for gate, args in ((qwen, (None, None, 2, "softmax", True, 1, 1, 1.0, None)),
+                           (ds, (None, ds.e_score_correction_bias, 2, "sigmoid", True, 2, 1, 2.5, torch.float32))):
+            ref_logits, ref_w, ref_ids = gate(h)
+            logits, ids, w = moe_ops.route(h, gate.weight, *args)
+            assert torch.equal(logits, ref_logits) and torch.equal(ids, ref_ids) and torch.equal(w, ref_w)
+
+
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+def test_backward_op_matches_autograd_of_reference(router):
+    h, w, gu, d = _inputs()
+    args = _layer_args(h, w, gu, d, router)
+    out, logits, _ = torch.ops.kosmos.moe_layer(*args)
+    go, gl = torch.randn_like(out), torch.randn_like(logits)
+    leaves = [t for t in (h, w, args[2], gu, d) if t is not None]
+    got = torch.autograd.grad((out * go).sum() + (logits * gl).sum(), leaves)
+    # the same math through torch autograd
+    ref_logits, ids, weights = moe_ops.route(h, w, *args[2:4], *args[6:13])
+    ref_out, _ = moe_ops.experts(h, ids, weights, gu, d)
+    assert torch.equal(ref_out, out) and torch.equal(ref_logits, logits)
+    ref = torch.autograd.grad((ref_out * go).sum() + (ref_logits * gl).sum(), leaves)
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) <= FP32_TOL
+
+
+@pytest.mark.parametrize("router", ["qwen3", "deepseek_v3"])
+def test_opcheck_moe_layer(router):
+    h, w, gu, d = _inputs(T=8, H=16, E=8, I=8)
+    torch.library.opcheck(torch.ops.kosmos.moe_layer.default, _layer_args(h, w, gu, d, router, top_k=2))
+
+
+def test_opcheck_moe_experts():
+    h, _, gu, d = _inputs(T=8, H=16, E=8, I=8)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(8)])
+    weights = torch.rand(8, 2, requires_grad=True)
+    torch.library.opcheck(torch.ops.kosmos.moe_experts.default, (h, ids, weights, gu, d))
+
+
+def test_expert_parallel_not_yet():
+    h, w, gu, d = _inputs()
+    args = list(_layer_args(h, w, gu, d, "qwen3"))
+    args[-2:] = ["ep_group", 2]
+    with pytest.raises(NotImplementedError, match="expert parallelism"):
+        torch.ops.kosmos.moe_layer(*args)
+
+
+# ------------------------------------------------------------------------------------------- models
+
+
+@pytest.mark.parametrize("name,dtype,router_logits", CASES, ids=IDS)
+def test_compiled_model_matches_eager(name, dtype, router_logits):
+    run = model_run(name, dtype, router_logits)
+    tol = FP32_TOL if dtype == "float32" else BF16_TOL
+    assert rel_err(run.loss, run.eager_loss) <= tol, (run.loss, run.eager_loss)
+    assert_close_grads(run.grads, run.eager_grads, tol)
+    if router_logits:  # the aux loss reads the router logits the op returns
+        eager_aux, aux = run.aux_loss
+        assert eager_aux is not None and rel_err(aux, eager_aux) <= tol
+        assert any("router logits" in r.reason for r in run.report.rewrites)
+
+
+def test_kosmos_experts_implementation_matches_eager():
+    model = tiny_qwen3_moe()
+    ids = token_ids()
+    eager_loss, eager_grads, _ = _loss_and_grads(model, ids)  # HF's grouped_mm experts
+    model.set_experts_implementation("kosmos")
+    run = compile_run(model, ids)
+    assert rel_err(run.loss, eager_loss) <= FP32_TOL
+    assert_close_grads(run.grads, eager_grads, FP32_TOL)
+    layers = MODELS["qwen3_moe"][1]
+    assert count(run.forward, "moe_experts") == layers and count(run.backward, "moe_experts_backward") == layers
+    assert run.report.records == [], str(run.report)  # nothing for the pass to do, nothing to complain about
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,dtype", [("qwen3_moe", "bfloat16"), ("deepseek_v3", "bfloat16"), ("qwen3_moe", "float32")])
+def test_compiled_model_matches_eager_cuda(name, dtype):
+    """On CUDA the grouped GEMM is torch._grouped_mm (bf16) and histc runs on int ids; the op runs its reference
+    impl until the fused kernels are registered."""
+    build, layers = MODELS[name]
+    model = build(getattr(torch, dtype)).cuda()
+    run = compile_run(model, token_ids().cuda())
+    tol = FP32_TOL if dtype == "float32" else BF16_TOL
+    assert run.report.count("moe_layer", "pre-grad") == layers, str(run.report)
+    assert count(run.forward, "moe_layer") == layers and count(run.backward, "moe_layer_backward") == layers
+    assert rel_err(run.loss, run.eager_loss) <= tol
+    assert_close_grads(run.grads, run.eager_grads, tol)

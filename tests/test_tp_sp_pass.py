@@ -179,6 +179,55 @@ t8 = t0[2]
 t9 = torch.ops.kosmos.gemm_rs.default([t10], [t11], t12, 1, 'sum', 4, '0', None)""")
 
 
+def _gathered(x):
+    return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor(x, WORLD, "0"))
+
+
+class TestGatherForms(TestCase):
+    """Forms other torch versions / plans produce for a gather along dim 1, written with functional collectives."""
+
+    def check(self, fn, x, gather_dim, dtype=torch.float32):
+        with fake_world(WORLD):
+            graphs = compile_and_capture(fn, x.to(dtype), torch.randn(16, 24, dtype=dtype), backward=False, fullgraph=True)
+        graph = graphs["inference"][0]
+        self.assertEqual(count_ops(graph.code, "ag_gemm"), 1)
+        self.assertEqual(unfused_pairs(graph.graph), [])
+        [rec] = kosmos.report().rewrites
+        self.assertEqual(rec.shapes["gather_dim"], gather_dim)
+        return skeleton(graph.code)
+
+    def test_slice_cat(self):
+        def fn(x, w):
+            g = _gathered(x)
+            s = x.shape[0]
+            return torch.cat([g[r * s:(r + 1) * s] for r in range(WORLD)], dim=1) @ w
+
+        out = self.check(fn, torch.randn(2, 3, 16), 1)
+        self.assertExpectedInline(out, """\
+t0 = torch.ops.kosmos.ag_gemm.default(t1, [t2], [None], 1, 4, '0', False)
+t3 = t0[0]""")
+
+    def test_narrow_cat(self):
+        def fn(x, w):
+            g = _gathered(x)
+            s = x.shape[0]
+            return torch.cat([g.narrow(0, r * s, s) for r in range(WORLD)], dim=1) @ w
+
+        self.check(fn, torch.randn(2, 3, 16), 1)
+
+    def test_chunk_cat_fp16(self):
+        def fn(x, w):
+            return torch.cat(torch.chunk(_gathered(x), WORLD, 0), dim=1) @ w
+
+        self.check(fn, torch.randn(2, 3, 16), 1, dtype=torch.float16)
+
+    def test_reshape_only_gather_of_batch_1(self):
+        def fn(x, w):
+            return _gathered(x).view(1, WORLD * 3, 16) @ w
+
+        self.check(fn, torch.randn(1, 3, 16), 0)
+
+
 class TestNegative(TestCase):
     def test_weight_depends_on_gathered(self):
         from graph_capture import fake_world

@@ -116,14 +116,6 @@ def test_opcheck_moe_experts():
     torch.library.opcheck(torch.ops.kosmos.moe_experts.default, (h, ids, weights, gu, d))
 
 
-def test_expert_parallel_not_yet():
-    h, w, gu, d = _inputs()
-    args = list(_layer_args(h, w, gu, d, "qwen3"))
-    args[-2:] = ["ep_group", 2]
-    with pytest.raises(NotImplementedError, match="expert parallelism"):
-        torch.ops.kosmos.moe_layer(*args)
-
-
 # ------------------------------------------------------------------------------------------- models
 
 

@@ -51,7 +51,7 @@ class _NoMatch(Exception):
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def _op(node: Any) -> Optional[str]:
+def op_name(node: Any) -> Optional[str]:
     """A short op name for call_function / call_method nodes, the same for `torch.topk(x)` and `x.topk()`."""
     if not isinstance(node, fx.Node):
         return None
@@ -81,7 +81,7 @@ def _dtype(node: Any):
 
 def _describe(node: Any) -> str:
     if isinstance(node, fx.Node):
-        return f"{node.name} ({node.op} {_op(node) or node.target})"
+        return f"{node.name} ({node.op} {op_name(node) or node.target})"
     return repr(node)
 
 
@@ -100,7 +100,7 @@ def _arg(node: fx.Node, index: int, name: str, default: Any = _REQUIRED) -> Any:
 
 def _root(node: fx.Node) -> fx.Node:
     """Strips view/reshape chains: the tensor whose elements `node` shows."""
-    while _op(node) in _VIEWS and isinstance(node.args[0], fx.Node):
+    while op_name(node) in _VIEWS and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
@@ -112,7 +112,7 @@ class _Walk:
         self.nodes: dict[fx.Node, None] = {}
 
     def call(self, node: Any, ops: tuple[str, ...], what: str) -> fx.Node:
-        if _op(node) not in ops:
+        if op_name(node) not in ops:
             raise _NoMatch(f"{what}: expected {'/'.join(ops)}, found {_describe(node)}")
         self.nodes[node] = None
         return node
@@ -126,7 +126,7 @@ class _Walk:
 
     def strip(self, node: Any, ops: tuple[str, ...]) -> Any:
         """Accepts an optional op in front of `node` and returns its input."""
-        while _op(node) in ops:
+        while op_name(node) in ops:
             self.nodes[node] = None
             node = node.args[0]
         return node
@@ -232,7 +232,7 @@ class MoeLayerMatch:
         for node in sorted(self.nodes, key=pos.__getitem__, reverse=True):
             graph.erase_node(node)
         for node in self.inputs() + [self.experts_hidden]:  # views of the tokens that only the block read
-            while _op(node) in _VIEWS and not node.users:
+            while op_name(node) in _VIEWS and not node.users:
                 source = node.args[0]
                 graph.erase_node(node)
                 node = source
@@ -313,7 +313,7 @@ def _match_kosmos_experts(walk: _Walk, call: fx.Node) -> _Experts:
     ep = (_arg(call, 6, "ep_group_name", None), _arg(call, 7, "ep_world_size", 1))
     outputs = {}
     for u in call.users:
-        if _op(u) != "getitem" or u.args[1] not in (0, 1) or (u.args[1] == 1 and u.users):
+        if op_name(u) != "getitem" or u.args[1] not in (0, 1) or (u.args[1] == 1 and u.users):
             raise _NoMatch(f"{call.name}: output used by {_describe(u)} (only out may be used)")
         walk.call(u, ("getitem",), "kosmos experts output")
         outputs[u.args[1]] = u
@@ -328,11 +328,11 @@ def _match_kosmos_experts(walk: _Walk, call: fx.Node) -> _Experts:
 
 def _expert_weight(walk: _Walk, gemm: fx.Node, what: str) -> tuple[fx.Node, bool]:
     """The grouped GEMM's weight as stored: (node [E, N, K], False) behind a transpose, or (node [E, K, N], True)."""
-    w = _arg(gemm, 1, "mat2" if _op(gemm) != "grouped_mm_fallback" else "weight")
-    if _op(w) == "transpose" and tuple(w.args[1:3]) in _TRANSPOSES:
+    w = _arg(gemm, 1, "mat2" if op_name(gemm) != "grouped_mm_fallback" else "weight")
+    if op_name(w) == "transpose" and tuple(w.args[1:3]) in _TRANSPOSES:
         walk.call(w, ("transpose",), what)
         return w.args[0], False
-    if _op(w) == "permute":
+    if op_name(w) == "permute":
         raise _NoMatch(f"{what}: weight reaches the grouped GEMM through a permute")
     return w, True
 
@@ -341,7 +341,7 @@ def _match_experts(walk: _Walk, down_gemm: fx.Node, up_gemm: fx.Node) -> _Expert
     """Walks HF's grouped_mm experts forward around the down-projection grouped GEMM."""
     for g in (up_gemm, down_gemm):
         walk.call(g, _GROUPED_MM, "grouped GEMM")
-        if _op(g) != "grouped_mm_fallback" and (g.kwargs.get("bias") is not None or g.kwargs.get("out_dtype") is not None):
+        if op_name(g) != "grouped_mm_fallback" and (g.kwargs.get("bias") is not None or g.kwargs.get("out_dtype") is not None):
             raise _NoMatch(f"{g.name}: grouped GEMM with bias or out_dtype")
     offs = _arg(down_gemm, 2, "offs")
     # offsets = cumsum(histc(sorted_ids.float()|.int(), bins=E, min=0, max=E-1), dim=0, dtype=int32)
@@ -363,18 +363,18 @@ def _match_experts(walk: _Walk, down_gemm: fx.Node, up_gemm: fx.Node) -> _Expert
     # EP sentinels of transformers 5.17 (always present there): ge(sorted_ids, E) is all false without EP
     mask = None
     for u in list(sorted_ids.users):
-        if _op(u) == "ge":
+        if op_name(u) == "ge":
             walk.call(u, ("ge",), "EP sentinel compare")
             _const(u.args[1], num_experts, "EP sentinel threshold")
             mask = walk.user(u, ("unsqueeze",), "EP sentinel mask")
-        elif _op(u) == "clamp_":
+        elif op_name(u) == "clamp_":
             walk.call(u, ("clamp_",), "EP sentinel clamp")
             _const(_arg(u, 2, "max", None), num_experts - 1, "EP sentinel clamp max")
             if _arg(u, 1, "min", None) is not None:
                 raise _NoMatch(f"{u.name}: unexpected clamp min")
 
     def unmask(node):  # x.masked_fill(sentinel_mask, 0.0) -> x
-        if mask is not None and _op(node) == "masked_fill" and node.args[1] is mask:
+        if mask is not None and op_name(node) == "masked_fill" and node.args[1] is mask:
             walk.call(node, ("masked_fill",), "EP sentinel fill")
             _const(node.args[2], 0.0, "EP sentinel fill value")
             return node.args[0]
@@ -391,7 +391,7 @@ def _match_experts(walk: _Walk, down_gemm: fx.Node, up_gemm: fx.Node) -> _Expert
         raise _NoMatch(f"{floordiv.name}: expected perm // top_k")
     top_k = floordiv.args[1]
     for u in list(gathered.users):
-        if _op(u) == "masked_fill_" and mask is not None and u.args[1] is mask:
+        if op_name(u) == "masked_fill_" and mask is not None and u.args[1] is mask:
             walk.call(u, ("masked_fill_",), "EP sentinel pre-mask")
             _const(u.args[2], 0.0, "EP sentinel pre-mask value")
     gate_up, gate_up_t = _expert_weight(walk, up_gemm, "gate_up weight")
@@ -400,8 +400,8 @@ def _match_experts(walk: _Walk, down_gemm: fx.Node, up_gemm: fx.Node) -> _Expert
     act = walk.strip(_arg(down_gemm, 0, "input"), _CASTS)
     walk.call(act, ("mul",), "SwiGLU product")
     a, b = act.args
-    silu, up = (a, b) if _op(a) != "getitem" else (b, a)
-    if _op(silu) != "silu":
+    silu, up = (a, b) if op_name(a) != "getitem" else (b, a)
+    if op_name(silu) != "silu":
         raise _NoMatch(f"experts activation: expected silu(gate) * up, found {_describe(silu)} (unsupported activation)")
     walk.call(silu, ("silu",), "SwiGLU activation")
     chunk = walk.getitem(silu.args[0], 0, "gate half")
@@ -445,7 +445,7 @@ def _match_experts(walk: _Walk, down_gemm: fx.Node, up_gemm: fx.Node) -> _Expert
     if _arg(fold, 2, "keepdim", False):
         raise _NoMatch(f"{fold.name}: fold keeps its dim")
     output = fold
-    if len(fold.users) == 1 and _op(next(iter(fold.users))) in _CASTS:
+    if len(fold.users) == 1 and op_name(next(iter(fold.users))) in _CASTS:
         output = walk.user(fold, _CASTS, "output cast")
     return _Experts(hidden, topk_ids, topk_weights, gate_up, gate_up_t, down, down_t, output, top_k, num_experts)
 
@@ -456,8 +456,8 @@ def _router_linear(walk: _Walk, logits: fx.Node) -> tuple[fx.Node, fx.Node, Opti
     h, w = logits.args[0], _arg(logits, 1, "weight")
     b = _arg(logits, 2, "bias", None)
     rd = None
-    if _op(h) in _CASTS or _op(w) in _CASTS:
-        if not (_op(h) in _CASTS and _op(w) in _CASTS) or _dtype(h) != _dtype(w):
+    if op_name(h) in _CASTS or op_name(w) in _CASTS:
+        if not (op_name(h) in _CASTS and op_name(w) in _CASTS) or _dtype(h) != _dtype(w):
             raise _NoMatch(f"{logits.name}: router input and weight are not cast to the same dtype")
         rd = _dtype(h)
         h, w = walk.strip(h, _CASTS), walk.strip(w, _CASTS)
@@ -483,13 +483,13 @@ def _match_softmax_router(walk: _Walk, ex: _Experts):
     logits = probs.args[0]
     h, w, b, rd = _router_linear(walk, logits)
     weights, norm = ex.topk_weights, False
-    if _op(weights) in _CASTS:
+    if op_name(weights) in _CASTS:
         if _dtype(weights) != _dtype(logits):
             raise _NoMatch(f"{weights.name}: routing weights cast to {_dtype(weights)}, not the logits' {_dtype(logits)}")
         weights = walk.strip(weights, _CASTS)
     elif _dtype(weights) != _dtype(logits):
         raise _NoMatch(f"{weights.name}: routing weights in {_dtype(weights)}, not the logits' {_dtype(logits)}")
-    if _op(weights) in _DIVS:
+    if op_name(weights) in _DIVS:
         walk.call(weights, _DIVS, "router renormalisation")
         values, denom = weights.args
         walk.call(denom, ("sum",), "router renormalisation sum")
@@ -512,7 +512,7 @@ def _match_grouped_router(walk: _Walk, ex: _Experts):
     _const(_arg(topk, 3, "largest", True), True, "router top-k largest")
     choice = topk.args[0]
     n_group, topk_group = 1, 1
-    if _op(choice) == "masked_fill":
+    if op_name(choice) == "masked_fill":
         walk.call(choice, ("masked_fill",), "group mask")
         _const(choice.args[2], float("-inf"), "group mask fill")
         m = walk.call(choice.args[1], ("invert",), "group mask")
@@ -544,14 +544,14 @@ def _match_grouped_router(walk: _Walk, ex: _Experts):
             raise _NoMatch(f"{grouped.name}: groups ranked on another tensor than the one masked")
         choice = masked
     bias = None
-    if _op(choice) == "add":
+    if op_name(choice) == "add":
         walk.call(choice, ("add",), "score correction")
         a, c = choice.args
-        scores, bias = (a, c) if _op(a) in ("sigmoid", "softmax") else (c, a)
+        scores, bias = (a, c) if op_name(a) in ("sigmoid", "softmax") else (c, a)
     else:
         scores = choice
     walk.call(scores, ("sigmoid", "softmax"), "router scores")
-    scoring = _op(scores)
+    scoring = op_name(scores)
     if scoring == "softmax":
         _dim_last(scores, 1, 2, "router softmax")
         if _dtype(scores) != torch.float32:
@@ -562,26 +562,26 @@ def _match_grouped_router(walk: _Walk, ex: _Experts):
     h, w, b, rd = _router_linear(walk, logits)
     # weights: [cast] <- [mul scale] <- [div (sum + eps)] <- gather(scores, 1, ids)
     weights, norm, scale = ex.topk_weights, False, 1.0
-    if _op(weights) in _CASTS:
+    if op_name(weights) in _CASTS:
         if _dtype(weights) != _dtype(logits):
             raise _NoMatch(f"{weights.name}: routing weights cast to {_dtype(weights)}, not the logits' {_dtype(logits)}")
         weights = walk.strip(weights, _CASTS)
     if _dtype(weights) != _dtype(logits):
         raise _NoMatch(f"{weights.name}: routing weights in {_dtype(weights)}, not the logits' {_dtype(logits)}")
-    if _op(weights) == "mul":
+    if op_name(weights) == "mul":
         walk.call(weights, ("mul",), "routed scaling")
         a, c = weights.args
         if not isinstance(a, (int, float)) and not isinstance(c, (int, float)):
-            factor = c if _op(a) in _DIVS + ("gather",) else a
+            factor = c if op_name(a) in _DIVS + ("gather",) else a
             raise _NoMatch(f"{weights.name}: the routed scaling factor {_describe(factor)} is not a constant (a "
                            "symbolic float under torch.compile(dynamic=True)?); the op needs a Python float")
         weights, scale = (a, c) if isinstance(c, (int, float)) else (c, a)
         scale = float(scale)
-    if _op(weights) in _DIVS:
+    if op_name(weights) in _DIVS:
         walk.call(weights, _DIVS, "router renormalisation")
         values, denom = weights.args
         eps = 0.0
-        if _op(denom) == "add":
+        if op_name(denom) == "add":
             walk.call(denom, ("add",), "router renormalisation epsilon")
             denom, eps = denom.args
         _const(eps, 1e-20 if scoring == "sigmoid" else 0.0, "router renormalisation epsilon")
@@ -629,8 +629,8 @@ def _pairs(graph: fx.Graph) -> tuple[list[tuple[fx.Node, fx.Node]], list[LeftAlo
     """Grouped GEMMs sharing one offsets tensor: (up, down) pairs where the down GEMM reads the up GEMM."""
     by_offs: dict[Any, list[fx.Node]] = {}
     for n in graph.nodes:
-        if _op(n) in _GROUPED_MM and n.op == "call_function":
-            if _op(n) == "grouped_mm_fallback" and "transformers" not in str(n.target):
+        if op_name(n) in _GROUPED_MM and n.op == "call_function":
+            if op_name(n) == "grouped_mm_fallback" and "transformers" not in str(n.target):
                 continue
             try:
                 by_offs.setdefault(_arg(n, 2, "offs"), []).append(n)
@@ -656,7 +656,7 @@ def find_moe_layers(graph: fx.Graph) -> tuple[list[MoeLayerMatch], list[LeftAlon
                    "experts form", (up.name, down.name)) for up, down in pairs]
     candidates += [(functools.partial(_match_kosmos_experts, call=n), "expert-parallel kosmos::moe_experts",
                     (n.name,)) for n in graph.nodes
-                   if _op(n) == "moe_experts" and n.op == "call_function" and _arg(n, 6, "ep_group_name", None)]
+                   if op_name(n) == "moe_experts" and n.op == "call_function" and _arg(n, 6, "ep_group_name", None)]
     matches, claimed = [], set()
     for match_experts, what, names in candidates:
         walk = _Walk()
@@ -671,8 +671,8 @@ def find_moe_layers(graph: fx.Graph) -> tuple[list[MoeLayerMatch], list[LeftAlon
         router_walk = _Walk()
         router_walk.nodes.update(walk.nodes)
         try:
-            probe = ex.topk_ids.args[0] if _op(ex.topk_ids) == "getitem" else None
-            if _op(probe) == "topk" and _op(probe.args[0]) == "softmax":
+            probe = ex.topk_ids.args[0] if op_name(ex.topk_ids) == "getitem" else None
+            if op_name(probe) == "topk" and op_name(probe.args[0]) == "softmax":
                 logits, h, w, b, bias, cfg = _match_softmax_router(router_walk, ex)
             else:
                 logits, h, w, b, bias, cfg = _match_grouped_router(router_walk, ex)
@@ -714,17 +714,17 @@ def find_unmatched_routers(graph: fx.Graph, claimed: set[fx.Node]) -> list[LeftA
     experts are not in HF's grouped_mm form (experts_implementation 'eager' or 'batched_mm', or own MoE code)."""
     left = []
     for n in graph.nodes:
-        if _op(n) != "linear" or len(_shape(n) or ()) != 2:
+        if op_name(n) != "linear" or len(_shape(n) or ()) != 2:
             continue
         frontier, seen, found = [n], set(), None
         for _ in range(8):
             frontier = [u for f in frontier for u in f.users if u not in seen]
             seen.update(frontier)
             if found is None:
-                found = next((u for u in frontier if _op(u) == "topk"), None)
-        if found is None or not any(_op(x) in ("softmax", "sigmoid") for x in seen) or seen & claimed:
+                found = next((u for u in frontier if op_name(u) == "topk"), None)
+        if found is None or not any(op_name(x) in ("softmax", "sigmoid") for x in seen) or seen & claimed:
             continue
-        if any(_op(x) == "moe_experts" for x in seen):  # experts_implementation="kosmos": already one kosmos call
+        if any(op_name(x) == "moe_experts" for x in seen):  # experts_implementation="kosmos": already one kosmos call
             continue
         left.append(LeftAlone(
             f"router {n.name} -> {found.name} without HF grouped_mm experts (the experts implementation is not "

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from kosmos.passes.moe import op_name
 from kosmos.reporting import PassRecord, record
 
 KIND = "moe_layer_ep"
@@ -38,20 +39,6 @@ _COLLECTIVES = ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "re
                 "reduce_scatter", "all_to_all")
 _SUFFIX = "; the EP form of kosmos::moe_layer lands with the expert-parallel issue"
 _MAX_WALK = 400  # nodes one walk may visit
-
-
-def _op(node: Any) -> Optional[str]:
-    """A short op name for call_function / call_method nodes (`torch._grouped_mm` and `aten._grouped_mm` alike)."""
-    if not isinstance(node, fx.Node):
-        return None
-    if node.op == "call_method":
-        return node.target
-    if node.op != "call_function":
-        return None
-    t = node.target
-    if isinstance(t, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
-        return str(t).split("::")[-1].split(".")[-2 if isinstance(t, torch._ops.OpOverload) else -1]
-    return getattr(t, "__name__", str(t))
 
 
 def _namespace(node: fx.Node) -> str:
@@ -66,7 +53,7 @@ def _val(node: Any):
 
 
 def _is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and _op(node) in _COLLECTIVES and (
+    return node.op == "call_function" and op_name(node) in _COLLECTIVES and (
         "c10d" in _namespace(node) or "distributed" in _namespace(node))
 
 
@@ -80,7 +67,7 @@ def _is_float(node: fx.Node) -> bool:
 def _hop_collectives(gm: fx.GraphModule, node: fx.Node) -> tuple[list[str], list[str]]:
     """Collectives inside an autograd.Function traced as `autograd_function_apply(fwd_body, bwd_body, ...)`:
     (forward ones, backward ones)."""
-    if _op(node) != "autograd_function_apply":
+    if op_name(node) != "autograd_function_apply":
         return [], []
     out = []
     for body in node.args[:2]:
@@ -91,14 +78,14 @@ def _hop_collectives(gm: fx.GraphModule, node: fx.Node) -> tuple[list[str], list
             except AttributeError:
                 sub = None
             if isinstance(sub, fx.GraphModule):
-                names = [_op(n) for n in sub.graph.nodes if _is_collective(n)]
+                names = [op_name(n) for n in sub.graph.nodes if _is_collective(n)]
         out.append(names)
     return out[0], out[1]
 
 
 def _mutated(node: fx.Node) -> Optional[fx.Node]:
     """The tensor an in-place node writes (`buf[i] = v`, `buf.index_put_(...)`, `buf.copy_(v)`), if any."""
-    op = _op(node) or ""
+    op = op_name(node) or ""
     if op in ("setitem",) or (op.endswith("_") and not op.startswith("_")):
         target = node.args[0] if node.args else None
         return target if isinstance(target, fx.Node) else None
@@ -218,11 +205,11 @@ def _walk(gm: fx.GraphModule, starts: list[fx.Node], forward: bool, gemms: set[f
             continue
         seen.add(n)
         if n not in starts:
-            if _is_collective(n) or _op(n) == "autograd_function_apply":
+            if _is_collective(n) or op_name(n) == "autograd_function_apply":
                 found[n] = True
-                if not (_op(n) == "autograd_function_apply" and not any(_hop_collectives(gm, n))):
+                if not (op_name(n) == "autograd_function_apply" and not any(_hop_collectives(gm, n))):
                     continue  # the first collective on a path ends it
-            elif n in gemms or _op(n) in _GROUPED_MM or _op(n) in _STOP:
+            elif n in gemms or op_name(n) in _GROUPED_MM or op_name(n) in _STOP:
                 continue
             elif n.op == "placeholder":
                 hit_input = True
@@ -237,7 +224,7 @@ def _walk(gm: fx.GraphModule, starts: list[fx.Node], forward: bool, gemms: set[f
             if n in starts:
                 nxt = [a for a in [n.args[0]] if isinstance(a, fx.Node)]  # only the token operand of a GEMM
             # a buffer filled in place (`buf[perm] = x`) carries the data of its writers
-            nxt += [u.args[2] for u in n.users if _op(u) == "setitem" and u.args[0] is n and isinstance(u.args[2], fx.Node)]
+            nxt += [u.args[2] for u in n.users if op_name(u) == "setitem" and u.args[0] is n and isinstance(u.args[2], fx.Node)]
         stack.extend(x for x in nxt if isinstance(x, fx.Node))
     return list(found), hit_input
 
@@ -247,7 +234,7 @@ def find_ep_moe_candidates(gm: fx.GraphModule) -> list[EpMoeCandidate]:
     reported here (kosmos.passes.moe handles those)."""
     groups: dict[Any, list[fx.Node]] = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and _op(n) in _GROUPED_MM:
+        if n.op == "call_function" and op_name(n) in _GROUPED_MM:
             key = _offsets(n)
             groups.setdefault(key if isinstance(key, fx.Node) else n, []).append(n)
     resumed = _resumed_after(gm.graph)
@@ -258,7 +245,7 @@ def find_ep_moe_candidates(gm: fx.GraphModule) -> list[EpMoeCandidate]:
         fwd, _ = _walk(gm, gemms, forward=True, gemms=gset)
         collectives: list[Collective] = []
         for node, role_side in [(n, "back") for n in back] + [(n, "fwd") for n in fwd]:
-            if _op(node) == "autograd_function_apply":
+            if op_name(node) == "autograd_function_apply":
                 fwd_ops, bwd_ops = _hop_collectives(gm, node)
                 for op in fwd_ops:
                     collectives.append(Collective(op, "combine" if role_side == "fwd" else "dispatch", node, True))
@@ -270,7 +257,7 @@ def find_ep_moe_candidates(gm: fx.GraphModule) -> list[EpMoeCandidate]:
                 role = "combine"
             else:
                 role = "dispatch" if _is_float(node) else "counts"
-            collectives.append(Collective(_op(node), role, node))
+            collectives.append(Collective(op_name(node), role, node))
         if not any(c.role in ("dispatch", "combine") for c in collectives):
             continue
         collectives.sort(key=lambda c: ("counts", "dispatch", "backward", "combine").index(c.role))

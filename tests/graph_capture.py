@@ -12,15 +12,21 @@ import kosmos
 from kosmos.passes import post_grad
 
 
+class Captured:
+    """One post-grad graph as the kosmos passes left it, with its code at that moment."""
+
+    def __init__(self, code, graph):
+        self.code, self.graph = code, graph
+
+
 class _Capture(CustomGraphPass):
-    """Runs after the kosmos passes (as the user's own post-grad pass) and keeps each graph's code."""
+    """Runs after the kosmos passes (as the user's own post-grad pass) and keeps each graph."""
 
     def __init__(self):
-        self.graphs: list[torch.fx.Graph] = []
+        self.captured: list[Captured] = []
 
     def __call__(self, graph):
-        self.graphs.append(graph)
-        self.codes = getattr(self, "codes", []) + [graph.python_code("self").src]
+        self.captured.append(Captured(graph.python_code("self").src, graph))
 
     def uuid(self):
         return None  # never cache: the capture must see every graph
@@ -41,7 +47,8 @@ def fake_world(world_size: int):
 
 
 def compile_and_capture(fn, *args, backward=True, backend="kosmos", options=None, fullgraph=False):
-    """Compiles and runs fn(*args) (and backward of its first output); returns {"forward"/"backward": graph code}."""
+    """Compiles and runs fn(*args) (and backward of its first output); returns the captured graphs by kind,
+    {"forward" / "backward" / "inference": [Captured, ...]}."""
     torch._dynamo.reset()
     kosmos.reset_report()
     cap = _Capture()
@@ -53,16 +60,10 @@ def compile_and_capture(fn, *args, backward=True, backend="kosmos", options=None
             if hasattr(o, "to_local"):
                 o = o.to_local()
             o.float().sum().backward()
-    graphs = {}
-    for code, graph in zip(getattr(cap, "codes", []), cap.graphs):
-        kind = post_grad.graph_kind(graph)
-        graphs.setdefault(kind, []).append(Captured(code, graph))
+    graphs: dict[str, list[Captured]] = {}
+    for c in cap.captured:
+        graphs.setdefault(post_grad.graph_kind(c.graph), []).append(c)
     return graphs
-
-
-class Captured:
-    def __init__(self, code, graph):
-        self.code, self.graph = code, graph
 
 
 _KEEP = re.compile(r"torch\.ops\.(kosmos|_c10d_functional)\.|aten\.(mm|addmm|bmm)\.")

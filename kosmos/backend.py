@@ -1,6 +1,7 @@
 """The `kosmos` torch.compile backend: pre-grad passes on the Dynamo graph, then Inductor with kosmos post-grad passes."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -19,7 +20,9 @@ KILL_SWITCH = "KOSMOS_DISABLE"
 _PASS_DIR = pathlib.Path(__file__).parent / "passes"
 
 
+@functools.lru_cache(maxsize=1)
 def _pass_sources_hash() -> str:
+    """Hash of the pass sources (read once per process: uuid() is asked for on every compile)."""
     h = hashlib.sha256()
     files = sorted(_PASS_DIR.glob("*.py")) + [pathlib.Path(__file__).parent / "options.py"]
     for f in files:

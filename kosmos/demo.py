@@ -96,6 +96,11 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, store_path:
                         "rewrites": kosmos.report().count()}, result_path)
     finally:
         dist.destroy_process_group()
+    # torch 2.13's static destructors now and then abort a finished gloo rank at interpreter exit
+    # ("terminate called without an active exception"); the work is saved, so leave without them.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _quiet() -> None:

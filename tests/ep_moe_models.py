@@ -1,7 +1,7 @@
 """Expert-parallel MoE forms that carry their own collectives, for the tests of kosmos/passes/moe_ep_forms.py.
 
     TitanEpMoE(dim, hidden, num_experts, top_k, group)   # torchtitan-style all-to-all EP (token counts exchanged)
-    hf_ep_moe_block(impl, mesh)                          # transformers' own EP ("all_reduce" / "all_to_all"), or None
+    hf_ep_model(impl, mesh) / hf_ep_moe_block(impl, mesh)  # transformers' own EP ("all_reduce" / "all_to_all"), or None
 
 TitanEpMoE follows torchtitan's MoE + ExpertParallel: router top-k, per-expert token counts exchanged with
 `all_to_all_single`, the split sizes read back to the host (`.tolist()`), dispatch and combine with
@@ -91,18 +91,24 @@ class TitanEpMoE(nn.Module):
         return out
 
 
-def hf_ep_moe_block(impl: str, mesh, *, seed: int = 0):
-    """Layer 1's sparse MoE block of the tiny Qwen3-MoE proxy, with transformers' own expert parallelism
-    (`ep_implementation=impl`: "all_reduce" or "all_to_all") applied over the 1-D `mesh` (EP group = TP group).
-    None where this transformers has no `transformers.distributed.expert_parallel` (before ~5.21)."""
+def hf_ep_model(impl: str, mesh, *, seed: int = 0, **overrides):
+    """The tiny Qwen3-MoE proxy (layer 0 dense, layer 1 sparse) with transformers' own expert parallelism
+    (`ep_implementation=impl`: "all_reduce" or "all_to_all") on layer 1's experts over the 1-D `mesh` (EP group =
+    TP group). None where this transformers has no `transformers.distributed.expert_parallel` (before ~5.21)."""
     try:
         from transformers.distributed.expert_parallel import apply_expert_parallelism
     except ImportError:
         return None
     from _dist import tiny_hf_model
 
-    model = tiny_hf_model("qwen3_moe", seed=seed)
+    model = tiny_hf_model("qwen3_moe", seed=seed, **overrides)
     prefix = "model.layers.1.mlp.experts"
     plan = {f"{prefix}.gate_up_proj": "grouped_gemm", f"{prefix}.down_proj": "grouped_gemm", prefix: "ep_dispatch_experts"}
     apply_expert_parallelism(model, mesh, mesh, plan, ep_implementation=impl)
-    return model.model.layers[1].mlp
+    return model
+
+
+def hf_ep_moe_block(impl: str, mesh, *, seed: int = 0):
+    """Layer 1's sparse MoE block of `hf_ep_model(impl, mesh)`, or None."""
+    model = hf_ep_model(impl, mesh, seed=seed)
+    return None if model is None else model.model.layers[1].mlp

@@ -107,6 +107,11 @@ def test_op_checks_ep_arguments():
         torch.ops.kosmos.moe_layer(h, w, None, None, gu, d, 2, "softmax", True, ep_world_size=2)
     with pytest.raises(ValueError, match=r"router_weight must be \[E=8"):  # 2 local experts x 4 ranks
         torch.ops.kosmos.moe_layer(h, w, None, None, gu, d, 2, "softmax", True, ep_group_name="g", ep_world_size=4)
+    with pytest.raises(ValueError, match="ep_mode must be one of"):
+        torch.ops.kosmos.moe_layer(h, w, None, None, gu, d, 2, "softmax", True, ep_mode="ring")
+    with pytest.raises(ValueError, match="ep_mode='all_reduce' needs an ep_group_name"):
+        torch.ops.kosmos.moe_layer(torch.randn(4, 8), torch.randn(2, 8), None, None, gu, d, 2, "softmax", True,
+                                   ep_mode="all_reduce")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +156,7 @@ def _layer_grads(hidden, router, bias, gate_up, down, grad, logits_grad, cfg, ep
     rb = bias.clone().requires_grad_() if use_bias else None
     out, logits, counts = torch.ops.kosmos.moe_layer(
         leaves[0], leaves[1], rb, bias.abs() if correction else None, leaves[2], leaves[3], **cfg,
-        ep_group_name=ep[0], ep_world_size=ep[1])
+        ep_group_name=ep[0], ep_world_size=ep[1], ep_mode=ep[2] if len(ep) > 2 else "all_to_all")
     loss = (out * grad).sum() + ((logits * logits_grad).sum() if cfg.get("return_router_logits") else 0)
     grads = torch.autograd.grad(loss, leaves + ([rb] if rb is not None else []))
     return out.detach(), counts, list(grads)
@@ -181,6 +186,22 @@ def _op_suite(rank: int, world: int) -> dict:
         if routing == "skewed":
             e["skewed_as_asked"] = 0.0 if global_counts[num_local:].sum() == 0 else float("inf")
         errs[name] = e
+
+    # ep_mode="all_reduce" (transformers' AllReduceEP layout): every rank holds the same tokens (rank 0's)
+    for name, (routing, cfg) in _LAYER_CASES.items():
+        tokens, router, gate_up, down, bias, grads, logits_grads = _op_inputs(world, routing)
+        num_local = gate_up.shape[0] // world
+        mine = slice(rank * num_local, (rank + 1) * num_local)
+        out, counts, g = _layer_grads(tokens[0], router, bias, gate_up[mine], down[mine], grads[0], logits_grads[0],
+                                      cfg, (group, world, "all_reduce"))
+        ref_out, ref_counts, ref_g = _layer_grads(tokens[0], router, bias, gate_up, down, grads[0], logits_grads[0],
+                                                  cfg, (None, 1))
+        e = {"out": _rel(out, ref_out), "d_hidden": _rel(g[0], ref_g[0]), "d_router": _rel(g[1], ref_g[1]),
+             "d_gate_up": _rel(g[2], ref_g[2][mine]), "d_down": _rel(g[3], ref_g[3][mine]),
+             "counts": 0.0 if torch.equal(counts, ref_counts) else float("inf")}
+        if len(g) > 4:
+            e["d_router_bias"] = _rel(g[4], ref_g[4])
+        errs[f"all_reduce_{name}"] = e
 
     # moe_experts with given routing: every pair to the last rank's experts, rank 0 without tokens
     g = torch.Generator().manual_seed(3)

@@ -22,7 +22,7 @@ import kosmos
 from ep_moe_models import TitanEpMoE, hf_ep_moe_block
 from kosmos.passes import moe_ep_forms
 
-SUFFIX = "; the EP form of kosmos::moe_layer lands with the expert-parallel issue"
+SUFFIX = "; the MoE pass rewrites such a block only where it traces whole into one graph (README: expert-parallel forms)"
 
 
 @contextlib.contextmanager

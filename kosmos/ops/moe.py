@@ -5,7 +5,8 @@ Semantics (the MoE pass rewrites HF blocks to exactly this; the fused CUDA kerne
 
 moe_layer(hidden [T, H], router_weight [E, H], router_bias [E]?, score_correction_bias [E]?,
           gate_up_proj [E, 2I, H], down_proj [E, H, I], top_k, scoring, norm_topk_prob, n_group, topk_group,
-          routed_scaling_factor, router_dtype, activation, return_router_logits, ep_group_name, ep_world_size)
+          routed_scaling_factor, router_dtype, activation, return_router_logits, ep_group_name, ep_world_size,
+          ep_mode="all_to_all")
     -> (out [T, H] in hidden's dtype, router_logits [T, E] (or [0, E] unless return_router_logits),
         tokens_per_expert [E] int32)
 
@@ -70,6 +71,13 @@ The EP reference impl (`ep_experts`, `ep_experts_backward`) uses functional coll
        where the weighting and the fold over the k slots happen in the same order as without EP.
     5. tokens_per_expert: all_reduce (sum) of the per-rank counts.
 No token is dropped; output shapes do not depend on the routing (the fake impls agree).
+
+moe_layer's ep_mode="all_reduce" is the other expert-parallel layout (transformers' AllReduceEP): the tokens are
+replicated over the group, each rank routes all of them, computes only the (token, slot) pairs of its own experts
+and the group sums the partial outputs (all_reduce of out, in hidden's dtype). Per rank it is exactly what that
+traced HF graph computes, whatever the ranks hold: backward sums the experts' d_hidden and d_topk_weights over the
+group (one all_reduce of both, fp32) before the router backward, which stays local like HF's router;
+tokens_per_expert counts this rank's pairs over all E experts (the same on every rank when the tokens are).
 """
 from __future__ import annotations
 
@@ -81,6 +89,7 @@ import torch.nn.functional as F
 from kosmos.ops import dispatch
 
 SCORINGS = ("softmax", "sigmoid")
+EP_MODES = ("all_to_all", "all_reduce")
 ACTIVATIONS = ("silu",)
 _SIGMOID_NORM_EPS = 1e-20  # DeepSeek-V3's renormalisation epsilon
 
@@ -244,31 +253,33 @@ def _expert_up(x, gate_up_e, down_dtype):
 
 def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu"):
     """The experts of the module docstring (HF's grouped_mm experts, one matmul per expert); returns
-    (out [T, H], tokens_per_expert [E] int32)."""
+    (out [T, H], tokens_per_expert [E] int32). A pair whose id is E (the sentinel) is not computed: it adds 0."""
     num_tokens, hidden_dim = hidden.shape
     top_k = topk_ids.shape[1]
-    perm, token, counts = _sort_pairs(topk_ids, gate_up_proj.shape[0])
+    num_experts = gate_up_proj.shape[0]
+    perm, token, counts = _sort_pairs(topk_ids, num_experts)
     x = hidden[token].to(gate_up_proj.dtype)
-    pieces, start = [], 0
-    for e, n in enumerate(counts.tolist()):  # one host sync: this is the reference impl
-        if n == 0:
-            continue
-        act = _expert_up(x[start : start + n], gate_up_proj[e], down_proj.dtype)[3]
-        pieces.append(act @ down_proj[e].transpose(0, 1))
+    y = x.new_zeros(x.shape[0], hidden_dim, dtype=down_proj.dtype)
+    start = 0
+    for e, n in enumerate(counts.tolist()[:num_experts]):  # one host sync: this is the reference impl
+        if n:
+            act = _expert_up(x[start : start + n], gate_up_proj[e], down_proj.dtype)[3]
+            y[start : start + n] = act @ down_proj[e].transpose(0, 1)
         start += n
-    y = torch.cat(pieces) if pieces else x.new_empty(0, hidden_dim, dtype=down_proj.dtype)
     weighted = y * topk_weights.reshape(-1)[perm].unsqueeze(-1)
     inv_perm = torch.empty_like(perm)
     inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
     out = weighted[inv_perm].view(num_tokens, top_k, hidden_dim).sum(dim=1).to(hidden.dtype)
-    return out, counts.to(torch.int32)
+    return out, counts[:num_experts].to(torch.int32)
 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu"):
     """Gradients of `experts` -> (d_hidden fp32 [T, H], d_topk_weights, d_gate_up_proj, d_down_proj).
-    Recomputes the up projection; matmuls run in the weights' dtype, sums accumulate in fp32."""
+    Recomputes the up projection; matmuls run in the weights' dtype, sums accumulate in fp32. Sentinel pairs
+    (id E) get zero gradients."""
     num_tokens, hidden_dim = hidden.shape
-    perm, token, counts = _sort_pairs(topk_ids, gate_up_proj.shape[0])
+    num_experts = gate_up_proj.shape[0]
+    perm, token, counts = _sort_pairs(topk_ids, num_experts)
     x = hidden[token].to(gate_up_proj.dtype)
     w_sorted = topk_weights.reshape(-1)[perm]
     product_dtype = torch.promote_types(down_proj.dtype, topk_weights.dtype)
@@ -278,7 +289,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, dow
     d_gate_up = torch.zeros_like(gate_up_proj)
     d_down = torch.zeros_like(down_proj)
     start = 0
-    for e, n in enumerate(counts.tolist()):
+    for e, n in enumerate(counts.tolist()[:num_experts]):
         if n == 0:
             continue
         rows = slice(start, start + n)
@@ -435,6 +446,33 @@ def _experts_backward_any(grad_out, hidden, topk_ids, topk_weights, gate_up_proj
                                ep_group_name, ep_world_size)
 
 
+def _own_pairs(topk_ids: torch.Tensor, num_local: int, group_name: str) -> torch.Tensor:
+    """ep_mode="all_reduce": global ids -> local ids of this rank's experts, the sentinel num_local elsewhere."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    rank = _resolve_process_group(group_name).rank()
+    mine = torch.div(topk_ids, num_local, rounding_mode="floor") == rank
+    return torch.where(mine, topk_ids % num_local, torch.full_like(topk_ids, num_local))
+
+
+def _replicated_forward(hidden, ids, weights, gate_up_proj, down_proj, activation, group_name):
+    """ep_mode="all_reduce" experts: this rank's share of every token's output, summed over the group."""
+    partial, _ = experts(hidden, _own_pairs(ids, gate_up_proj.shape[0], group_name), weights, gate_up_proj,
+                         down_proj, activation)
+    num_experts = gate_up_proj.shape[0] * torch.distributed.distributed_c10d._resolve_process_group(group_name).size()
+    counts = torch.bincount(ids.reshape(-1), minlength=num_experts).to(torch.int32)
+    return _all_reduce_sum(partial, group_name), counts
+
+
+def _replicated_backward(grad_out, hidden, ids, weights, gate_up_proj, down_proj, activation, group_name):
+    """Gradients of `_replicated_forward`: (d_hidden of the experts fp32, d_topk_weights, local expert grads);
+    d_hidden and d_topk_weights are summed over the group (one all_reduce)."""
+    d_x, d_w, d_gate_up, d_down = experts_backward(grad_out, hidden, _own_pairs(ids, gate_up_proj.shape[0], group_name),
+                                                   weights, gate_up_proj, down_proj, activation)
+    both = _all_reduce_sum(torch.cat([d_x, d_w.float()], dim=1), group_name)
+    return both[:, : d_x.shape[1]], both[:, d_x.shape[1] :].to(d_w.dtype), d_gate_up, d_down
+
+
 # --------------------------------------------------------------------------------------- moe_layer
 
 
@@ -457,10 +495,11 @@ def moe_layer(
     return_router_logits: bool = False,
     ep_group_name: Optional[str] = None,
     ep_world_size: int = 1,
+    ep_mode: str = "all_to_all",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
             norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
-            return_router_logits, ep_group_name, ep_world_size)
+            return_router_logits, ep_group_name, ep_world_size, ep_mode)
     _check_layer_args(*args)
     fused = dispatch.fused_impl("moe_layer", hidden.device, *args)
     if fused is not None:
@@ -468,14 +507,22 @@ def moe_layer(
     logits, ids, weights = route(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring,
                                  norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype)
     _check_ep_group("moe_layer", ep_group_name, ep_world_size)
-    out, counts = _experts_any(hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
+    if ep_mode == "all_reduce":
+        out, counts = _replicated_forward(hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name)
+    else:
+        out, counts = _experts_any(hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name,
+                                   ep_world_size)
     return out, (logits if return_router_logits else logits.new_empty(0, logits.shape[1])), counts
 
 
 def _check_layer_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                       scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
-                      return_router_logits, ep_group_name, ep_world_size):
+                      return_router_logits, ep_group_name, ep_world_size, ep_mode="all_to_all"):
     _check_experts_args("moe_layer", hidden, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
+    if ep_mode not in EP_MODES:
+        raise ValueError(f"kosmos::moe_layer: ep_mode must be one of {EP_MODES}, got {ep_mode!r}")
+    if ep_mode == "all_reduce" and ep_group_name is None:
+        raise ValueError("kosmos::moe_layer: ep_mode='all_reduce' needs an ep_group_name")
     _check_router_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, top_k, scoring,
                        n_group, topk_group, ep_world_size)
 
@@ -483,10 +530,11 @@ def _check_layer_args(hidden, router_weight, router_bias, score_correction_bias,
 @moe_layer.register_fake
 def _moe_layer_fake(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                     scoring, norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
-                    activation="silu", return_router_logits=False, ep_group_name=None, ep_world_size=1):
+                    activation="silu", return_router_logits=False, ep_group_name=None, ep_world_size=1,
+                    ep_mode="all_to_all"):
     _check_layer_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                       scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
-                      return_router_logits, ep_group_name, ep_world_size)
+                      return_router_logits, ep_group_name, ep_world_size, ep_mode)
     e = gate_up_proj.shape[0] * ep_world_size
     logits_dtype = router_dtype or hidden.dtype
     rows = hidden.shape[0] if return_router_logits else 0
@@ -517,10 +565,11 @@ def moe_layer_backward(
     activation: str,
     ep_group_name: Optional[str],
     ep_world_size: int,
+    ep_mode: str = "all_to_all",
 ) -> list[torch.Tensor]:
     args = (grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
             down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
-            activation, ep_group_name, ep_world_size)
+            activation, ep_group_name, ep_world_size, ep_mode)
     fused = dispatch.fused_impl("moe_layer_backward", hidden.device, *args)
     if fused is not None:
         return fused(*args)
@@ -528,8 +577,12 @@ def moe_layer_backward(
                             n_group, topk_group, routed_scaling_factor, router_dtype)
     _, ids, weights, _ = routed
     _check_ep_group("moe_layer_backward", ep_group_name, ep_world_size)
-    d_hidden, d_weights, d_gate_up, d_down = _experts_backward_any(grad_out, hidden, ids, weights, gate_up_proj,
-                                                                   down_proj, activation, ep_group_name, ep_world_size)
+    if ep_mode == "all_reduce":
+        d_hidden, d_weights, d_gate_up, d_down = _replicated_backward(grad_out, hidden, ids, weights, gate_up_proj,
+                                                                      down_proj, activation, ep_group_name)
+    else:
+        d_hidden, d_weights, d_gate_up, d_down = _experts_backward_any(
+            grad_out, hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
     d_hidden_router, d_router_weight, d_router_bias = route_backward(
         d_weights, grad_router_logits, routed, router_weight, router_bias, scoring, routed_scaling_factor)
     grads = [(d_hidden + d_hidden_router).to(hidden.dtype), d_router_weight, d_gate_up, d_down]
@@ -545,7 +598,7 @@ def _moe_layer_backward_fake(grad_out, grad_router_logits, hidden, router_weight
 
 
 _LAYER_SCALARS = ("top_k", "scoring", "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
-                  "router_dtype", "activation", "return_router_logits", "ep_group_name", "ep_world_size")
+                  "router_dtype", "activation", "return_router_logits", "ep_group_name", "ep_world_size", "ep_mode")
 
 
 def _moe_layer_setup_context(ctx, inputs, output):
@@ -563,6 +616,7 @@ def _moe_layer_autograd(ctx, grad_out, grad_router_logits, _grad_counts):
         grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
         down_proj, s["top_k"], s["scoring"], s["norm_topk_prob"], s["n_group"], s["topk_group"],
         s["routed_scaling_factor"], s["router_dtype"], s["activation"], s["ep_group_name"], s["ep_world_size"],
+        s["ep_mode"],
     )
     d_hidden, d_router_weight, d_gate_up, d_down = grads[:4]
     d_router_bias = grads[4] if router_bias is not None else None

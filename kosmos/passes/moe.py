@@ -193,6 +193,7 @@ class MoeLayerMatch:
     with_logits: bool = False  # the graph uses the router logits outside the block (set by find_moe_layers)
     experts_hidden: Optional[fx.Node] = None  # the view of the tokens the experts gathered from, if another one
     ep: tuple = (None, 1)  # (ep_group_name, ep_world_size) of an expert-parallel block
+    ep_mode: str = "all_to_all"  # "all_reduce": transformers' AllReduceEP (replicated tokens, outputs summed)
 
     def inputs(self) -> list[fx.Node]:
         return [n for n in (self.hidden, self.router_weight, self.router_bias, self.score_correction_bias,
@@ -216,6 +217,8 @@ class MoeLayerMatch:
             args = (self.hidden, self.router_weight, self.router_bias, self.score_correction_bias, gate_up, down,
                     r.top_k, r.scoring, r.norm_topk_prob, r.n_group, r.topk_group, r.routed_scaling_factor,
                     r.router_dtype, "silu", self.with_logits, self.ep[0], self.ep[1])
+            if self.ep_mode != "all_to_all":
+                args += (self.ep_mode,)
             call = _new(graph, "call_function", torch.ops.kosmos.moe_layer.default, args, like=self.output)
             out = _new(graph, "call_function", operator.getitem, (call, 0), like=self.output)
             logits = None
@@ -242,7 +245,9 @@ class MoeLayerMatch:
             kind=KIND, graph=_GRAPH, rewritten=True,
             reason=f"router ({self.router.text()}) + grouped_mm SwiGLU experts + fold -> kosmos::moe_layer"
             + (" (returns router logits)" if self.with_logits else "")
-            + (f" (expert parallel: group {self.ep[0]}, {self.ep[1]} ranks)" if self.ep[0] is not None else ""),
+            + (f" (expert parallel: group {self.ep[0]}, {self.ep[1]} ranks"
+               + (", replicated tokens, outputs summed by all_reduce" if self.ep_mode == "all_reduce" else "") + ")"
+               if self.ep[0] is not None else ""),
             nodes=tuple(n.name for n in self.nodes), shapes=self.shapes, impl=impl, impl_reason=impl_reason,
         ))
 
@@ -301,6 +306,79 @@ class _Experts:
     top_k: int
     num_experts: int
     ep: tuple = (None, 1)  # (ep_group_name, ep_world_size); the weights are then the local experts
+    ep_mode: str = "all_to_all"
+
+
+@dataclasses.dataclass
+class _ReplicatedEp:
+    """transformers' AllReduceEP around HF's grouped_mm experts (the rank is a constant of the traced graph):
+
+        off_rank = (ids // E_loc) != rank;  local_ids = where(off_rank, E_loc, ids % E_loc)
+        out = AllReduceForward(experts(AllReduceBackward(hidden), local_ids,
+                                       AllReduceBackward(weights).masked_fill(off_rank, 0.0)))
+
+    with the local experts' weights; E_loc is the sentinel id of pairs owned elsewhere."""
+
+    rank: int
+    off_rank: fx.Node
+    group: Optional[str] = None
+
+    def unwrap(self, walk: _Walk, node: Any, forward: str, backward: str, what: str) -> fx.Node:
+        """node = autograd_function_apply(fwd_body, bwd_body, x)[0] whose directions are (forward, backward) -> x."""
+        from kosmos.passes.autograd_fn import autograd_fn_kind
+
+        v = _val(node)
+        if forward == "identity" and op_name(node) != "getitem" and isinstance(v, torch.Tensor) and not v.requires_grad:
+            return node  # Dynamo inlines the function when no input needs a gradient: its backward never runs
+        apply = walk.getitem(node, 0, what)
+        walk.call(apply, ("autograd_function_apply",), what)
+        kind = autograd_fn_kind(apply)
+        if kind is None or kind[:2] != (forward, backward):
+            raise _NoMatch(f"{what}: {apply.name} is not an autograd.Function doing {forward} forward and {backward} "
+                           f"backward (found {kind})")
+        if self.group is not None and kind[2] is not None and kind[2] != self.group:
+            raise _NoMatch(f"{what}: {apply.name} sums over group {kind[2]!r}, the block over {self.group!r}")
+        self.group = self.group or kind[2]
+        if len(apply.users) != 1:
+            raise _NoMatch(f"{what}: {apply.name} has other users than {node.name}")
+        walk.nodes.update(dict.fromkeys(apply.args[:2]))  # the get_attr nodes of its bodies
+        return apply.args[2]
+
+
+def _match_local_ids(walk: _Walk, ids: fx.Node, num_local: int) -> tuple[fx.Node, Optional[_ReplicatedEp]]:
+    """AllReduceEP's id remapping where(off_rank, E_loc, ids % E_loc) -> (global ids, its EP form); else (ids, None)."""
+    if op_name(ids) != "where":
+        return ids, None
+    where = walk.call(ids, ("where",), "EP local expert ids")
+    off_rank, fill, mod = where.args
+    _const(fill, num_local, "EP sentinel id")
+    walk.call(mod, ("mod", "remainder"), "EP local expert id")
+    _const(mod.args[1], num_local, "EP local expert modulus")
+    walk.call(off_rank, ("ne",), "EP off-rank mask")
+    owner, rank = off_rank.args
+    walk.call(owner, ("floordiv",), "EP expert owner")
+    if owner.args[0] is not mod.args[0] or owner.args[1] != num_local or not isinstance(rank, int):
+        raise _NoMatch(f"{off_rank.name}: expected (ids // {num_local}) != rank on the ids of {mod.name}")
+    return mod.args[0], _ReplicatedEp(rank, off_rank)
+
+
+def _replicated_ep_group(rep: _ReplicatedEp, topk_ids: fx.Node, num_local: int) -> tuple[int, tuple]:
+    """(number of experts, (group, world size)) of an AllReduceEP block, checked against the process group."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    scores = topk_ids.args[0].args[0] if op_name(topk_ids) == "getitem" and op_name(topk_ids.args[0]) == "topk" else None
+    num_experts = (_shape(scores) or (None,))[-1]
+    if not isinstance(num_experts, int) or num_experts % num_local or rep.group is None:
+        raise _NoMatch(f"expert-parallel ids {topk_ids.name}: cannot tell the experts ({num_experts}) or group")
+    world = num_experts // num_local
+    try:
+        pg = _resolve_process_group(rep.group)
+    except Exception as e:  # noqa: BLE001 - any lookup failure means the group is not usable here
+        raise _NoMatch(f"expert-parallel group {rep.group!r} is not a process group here ({e})") from e
+    if pg.size() != world or pg.rank() != rep.rank:
+        raise _NoMatch(f"expert-parallel group {rep.group!r} is rank {pg.rank()} of {pg.size()}, the graph was traced "
+                       f"for rank {rep.rank} of {world} ({num_experts} experts, {num_local} local)")
+    return num_experts, (rep.group, world)
 
 
 def _match_kosmos_experts(walk: _Walk, call: fx.Node) -> _Experts:
@@ -356,7 +434,7 @@ def _match_experts(walk: _Walk, down_gemm: fx.Node, up_gemm: fx.Node) -> _Expert
     if _arg(sort, 1, "dim", -1) not in (-1, 0) or _arg(sort, 2, "descending", False):
         raise _NoMatch(f"{sort.name}: expected an ascending sort")
     expert_ids = walk.call(sort.args[0], ("reshape", "view"), "flattened top-k ids")
-    topk_ids = expert_ids.args[0]
+    topk_ids, replicated = _match_local_ids(walk, expert_ids.args[0], num_experts)
     perm = walk.user(sort, ("getitem",), "sort permutation", exclude=(sorted_ids,))
     _const(perm.args[1], 1, "sort permutation index")
 
@@ -386,6 +464,8 @@ def _match_experts(walk: _Walk, down_gemm: fx.Node, up_gemm: fx.Node) -> _Expert
     gathered = walk.strip(_arg(up_gemm, 0, "input"), _CASTS)
     walk.call(gathered, ("getitem",), "token gather")
     hidden, index = gathered.args
+    if replicated:
+        hidden = replicated.unwrap(walk, hidden, "identity", "all_reduce", "EP tokens")
     floordiv = walk.call(index, ("floordiv",), "token of each sorted pair")
     if floordiv.args[0] is not perm or not isinstance(floordiv.args[1], int):
         raise _NoMatch(f"{floordiv.name}: expected perm // top_k")
@@ -428,6 +508,12 @@ def _match_experts(walk: _Walk, down_gemm: fx.Node, up_gemm: fx.Node) -> _Expert
         raise _NoMatch(f"{weights_sorted.name}: routing weights not permuted like the tokens")
     sample_weights = walk.call(weights_sorted.args[0], ("reshape", "view"), "flattened routing weights")
     topk_weights = sample_weights.args[0]
+    if replicated:
+        masked = walk.call(topk_weights, ("masked_fill",), "EP off-rank routing weights")
+        if masked.args[1] is not replicated.off_rank:
+            raise _NoMatch(f"{masked.name}: routing weights masked with another mask than the off-rank one")
+        _const(masked.args[2], 0.0, "EP off-rank routing weight")
+        topk_weights = replicated.unwrap(walk, masked.args[0], "identity", "all_reduce", "EP routing weights")
     unpermuted = walk.user(weighted, ("getitem",), "inverse permutation")
     inv_perm = walk.call(unpermuted.args[1], ("empty_like",), "inverse permutation buffer")
     if inv_perm.args[0] is not perm:
@@ -447,7 +533,14 @@ def _match_experts(walk: _Walk, down_gemm: fx.Node, up_gemm: fx.Node) -> _Expert
     output = fold
     if len(fold.users) == 1 and op_name(next(iter(fold.users))) in _CASTS:
         output = walk.user(fold, _CASTS, "output cast")
-    return _Experts(hidden, topk_ids, topk_weights, gate_up, gate_up_t, down, down_t, output, top_k, num_experts)
+    if not replicated:
+        return _Experts(hidden, topk_ids, topk_weights, gate_up, gate_up_t, down, down_t, output, top_k, num_experts)
+    apply = walk.user(output, ("autograd_function_apply",), "EP output sum")
+    summed = walk.user(apply, ("getitem",), "EP output sum")
+    replicated.unwrap(walk, summed, "all_reduce", "identity", "EP output sum")
+    all_experts, ep = _replicated_ep_group(replicated, topk_ids, num_experts)
+    return _Experts(hidden, topk_ids, topk_weights, gate_up, gate_up_t, down, down_t, summed, top_k, all_experts, ep,
+                    "all_reduce")
 
 
 def _router_linear(walk: _Walk, logits: fx.Node) -> tuple[fx.Node, fx.Node, Optional[fx.Node], Optional[torch.dtype]]:
@@ -705,7 +798,7 @@ def find_moe_layers(graph: fx.Graph) -> tuple[list[MoeLayerMatch], list[LeftAlon
         shapes["I"] = gu_shape[1] // 2
         with_logits = any(u not in set(nodes) for u in logits.users)
         matches.append(MoeLayerMatch(h, w, b, bias, ex.gate_up, ex.gate_up_transposed, ex.down, ex.down_transposed,
-                                     cfg, ex.output, logits, nodes, shapes, with_logits, ex.hidden, ex.ep))
+                                     cfg, ex.output, logits, nodes, shapes, with_logits, ex.hidden, ex.ep, ex.ep_mode))
     return matches, left, claimed
 
 

@@ -1,4 +1,7 @@
-"""Pre-grad finder (no rewrite yet) for expert-parallel MoE blocks that already carry their collectives.
+"""Pre-grad finder for expert-parallel MoE blocks that carry their own collectives and that no rewrite took.
+
+It runs after the rewriting passes (kosmos.passes.moe takes transformers' AllReduceEP), so what it reports is
+what stays unfused, with the reason: mostly all-to-all forms that a graph break split in two.
 
 Recognises, in a Dynamo graph, grouped-GEMM experts that are wired to communication:
 - all-to-all EP (torchtitan ExpertParallel, transformers AllToAllEP): tokens dispatched with an
@@ -37,7 +40,7 @@ _GROUPED_MM = ("_grouped_mm", "grouped_mm", "grouped_mm_fallback")
 _STOP = ("linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "einsum")
 _COLLECTIVES = ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
                 "reduce_scatter", "all_to_all")
-_SUFFIX = "; the EP form of kosmos::moe_layer lands with the expert-parallel issue"
+_SUFFIX = "; the MoE pass rewrites such a block only where it traces whole into one graph (README: expert-parallel forms)"
 _MAX_WALK = 400  # nodes one walk may visit
 
 

@@ -94,12 +94,24 @@ class TitanEpMoE(nn.Module):
 def hf_ep_model(impl: str, mesh, *, seed: int = 0, **overrides):
     """The tiny Qwen3-MoE proxy (layer 0 dense, layer 1 sparse) with transformers' own expert parallelism
     (`ep_implementation=impl`: "all_reduce" or "all_to_all") on layer 1's experts over the 1-D `mesh` (EP group =
-    TP group). None where this transformers has no `transformers.distributed.expert_parallel` (before ~5.21)."""
+    TP group). transformers 5.17 has only the all-reduce form, as the config's `base_model_ep_plan` (EpRouterParallel
+    + MoeExpertsParallel) applied by `apply_tensor_parallelism` with `enable_expert_parallel`; None where this
+    transformers has neither."""
+    from _dist import tiny_hf_model
+
     try:
         from transformers.distributed.expert_parallel import apply_expert_parallelism
     except ImportError:
-        return None
-    from _dist import tiny_hf_model
+        try:
+            from transformers.distributed import DistributedConfig
+            from transformers.distributed.tensor_parallel import EpRouterParallel, apply_tensor_parallelism  # noqa: F401
+        except ImportError:
+            return None
+        if impl != "all_reduce":
+            return None
+        model = tiny_hf_model("qwen3_moe", seed=seed, **overrides)
+        model.config.distributed_config = DistributedConfig(enable_expert_parallel=True, tp_size=mesh.size())
+        return apply_tensor_parallelism(model, mesh)
 
     model = tiny_hf_model("qwen3_moe", seed=seed, **overrides)
     prefix = "model.layers.1.mlp.experts"

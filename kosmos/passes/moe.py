@@ -194,6 +194,7 @@ class MoeLayerMatch:
     experts_hidden: Optional[fx.Node] = None  # the view of the tokens the experts gathered from, if another one
     ep: tuple = (None, 1)  # (ep_group_name, ep_world_size) of an expert-parallel block
     ep_mode: str = "all_to_all"  # "all_reduce": transformers' AllReduceEP (replicated tokens, outputs summed)
+    ep_note: str = ""  # what the rewrite assumes about an EP form, said in the report
 
     def inputs(self) -> list[fx.Node]:
         return [n for n in (self.hidden, self.router_weight, self.router_bias, self.score_correction_bias,
@@ -246,7 +247,8 @@ class MoeLayerMatch:
             reason=f"router ({self.router.text()}) + grouped_mm SwiGLU experts + fold -> kosmos::moe_layer"
             + (" (returns router logits)" if self.with_logits else "")
             + (f" (expert parallel: group {self.ep[0]}, {self.ep[1]} ranks"
-               + (", replicated tokens, outputs summed by all_reduce" if self.ep_mode == "all_reduce" else "") + ")"
+               + (", replicated tokens, outputs summed by all_reduce" if self.ep_mode == "all_reduce" else "")
+               + (f"; {self.ep_note}" if self.ep_note else "") + ")"
                if self.ep[0] is not None else ""),
             nodes=tuple(n.name for n in self.nodes), shapes=self.shapes, impl=impl, impl_reason=impl_reason,
         ))
@@ -307,6 +309,12 @@ class _Experts:
     num_experts: int
     ep: tuple = (None, 1)  # (ep_group_name, ep_world_size); the weights are then the local experts
     ep_mode: str = "all_to_all"
+    ep_note: str = ""
+
+
+TRANSFORMERS_5_17_EP_NOTE = (
+    "transformers 5.17 form: its second sum of the routing weights' gradient is taken as equal to the first, which "
+    "holds when the group's ranks hold the same tokens (the only case where this form computes the MoE layer)")
 
 
 @dataclasses.dataclass
@@ -322,6 +330,7 @@ class _ReplicatedEp:
     rank: int
     off_rank: fx.Node
     group: Optional[str] = None
+    note: str = ""
 
     def unwrap(self, walk: _Walk, node: Any, forward: str, backward: str, what: str) -> fx.Node:
         """node = autograd_function_apply(fwd_body, bwd_body, x)[0] whose directions are (forward, backward) -> x."""
@@ -346,20 +355,37 @@ class _ReplicatedEp:
 
 
 def _match_local_ids(walk: _Walk, ids: fx.Node, num_local: int) -> tuple[fx.Node, Optional[_ReplicatedEp]]:
-    """AllReduceEP's id remapping where(off_rank, E_loc, ids % E_loc) -> (global ids, its EP form); else (ids, None)."""
-    if op_name(ids) != "where":
+    """AllReduceEP's id remapping to local ids with the sentinel E_loc -> (global ids, its EP form); else (ids, None).
+
+    transformers >= 5.21: where(off_rank, E_loc, ids % E_loc); 5.17 (EpRouterParallel, E_loc > 1):
+    m = fmod(ids.masked_fill(off_rank, -1), E_loc); m.masked_fill(m == -1, E_loc)."""
+    if op_name(ids) == "where":
+        where = walk.call(ids, ("where",), "EP local expert ids")
+        off_rank, fill, mod = where.args
+        _const(fill, num_local, "EP sentinel id")
+        walk.call(mod, ("mod", "remainder"), "EP local expert id")
+        _const(mod.args[1], num_local, "EP local expert modulus")
+        global_ids = mod.args[0]
+    elif op_name(ids) == "masked_fill" and op_name(ids.args[0]) == "fmod":
+        sentinel = walk.call(ids, ("masked_fill",), "EP sentinel ids")
+        _const(sentinel.args[2], num_local, "EP sentinel id")
+        is_dropped = walk.call(sentinel.args[1], ("eq",), "EP dropped slots")
+        fmod = walk.call(sentinel.args[0], ("fmod",), "EP local expert id")
+        if is_dropped.args[0] is not fmod or is_dropped.args[1] != -1:
+            raise _NoMatch(f"{is_dropped.name}: expected {fmod.name} == -1")
+        if fmod.args[1] != num_local or num_local < 2:
+            raise _NoMatch(f"{fmod.name}: expected fmod(ids, {num_local}) with at least 2 local experts")
+        dropped = walk.call(fmod.args[0], ("masked_fill",), "EP dropped slots")
+        _const(dropped.args[2], -1, "EP dropped slot id")
+        global_ids, off_rank = dropped.args[0], dropped.args[1]
+    else:
         return ids, None
-    where = walk.call(ids, ("where",), "EP local expert ids")
-    off_rank, fill, mod = where.args
-    _const(fill, num_local, "EP sentinel id")
-    walk.call(mod, ("mod", "remainder"), "EP local expert id")
-    _const(mod.args[1], num_local, "EP local expert modulus")
     walk.call(off_rank, ("ne",), "EP off-rank mask")
     owner, rank = off_rank.args
     walk.call(owner, ("floordiv",), "EP expert owner")
-    if owner.args[0] is not mod.args[0] or owner.args[1] != num_local or not isinstance(rank, int):
-        raise _NoMatch(f"{off_rank.name}: expected (ids // {num_local}) != rank on the ids of {mod.name}")
-    return mod.args[0], _ReplicatedEp(rank, off_rank)
+    if owner.args[0] is not global_ids or owner.args[1] != num_local or not isinstance(rank, int):
+        raise _NoMatch(f"{off_rank.name}: expected (ids // {num_local}) != rank on the global ids {global_ids.name}")
+    return global_ids, _ReplicatedEp(rank, off_rank)
 
 
 def _replicated_ep_group(rep: _ReplicatedEp, topk_ids: fx.Node, num_local: int) -> tuple[int, tuple]:
@@ -509,6 +535,9 @@ def _match_experts(walk: _Walk, down_gemm: fx.Node, up_gemm: fx.Node) -> _Expert
     sample_weights = walk.call(weights_sorted.args[0], ("reshape", "view"), "flattened routing weights")
     topk_weights = sample_weights.args[0]
     if replicated:
+        if op_name(topk_weights) == "getitem":  # transformers 5.17 sums the masked weights' gradient a second time
+            topk_weights = replicated.unwrap(walk, topk_weights, "identity", "all_reduce", "EP routing weights")
+            replicated.note = TRANSFORMERS_5_17_EP_NOTE
         masked = walk.call(topk_weights, ("masked_fill",), "EP off-rank routing weights")
         if masked.args[1] is not replicated.off_rank:
             raise _NoMatch(f"{masked.name}: routing weights masked with another mask than the off-rank one")
@@ -540,7 +569,7 @@ def _match_experts(walk: _Walk, down_gemm: fx.Node, up_gemm: fx.Node) -> _Expert
     replicated.unwrap(walk, summed, "all_reduce", "identity", "EP output sum")
     all_experts, ep = _replicated_ep_group(replicated, topk_ids, num_experts)
     return _Experts(hidden, topk_ids, topk_weights, gate_up, gate_up_t, down, down_t, summed, top_k, all_experts, ep,
-                    "all_reduce")
+                    "all_reduce", replicated.note)
 
 
 def _router_linear(walk: _Walk, logits: fx.Node) -> tuple[fx.Node, fx.Node, Optional[fx.Node], Optional[torch.dtype]]:
@@ -798,7 +827,8 @@ def find_moe_layers(graph: fx.Graph) -> tuple[list[MoeLayerMatch], list[LeftAlon
         shapes["I"] = gu_shape[1] // 2
         with_logits = any(u not in set(nodes) for u in logits.users)
         matches.append(MoeLayerMatch(h, w, b, bias, ex.gate_up, ex.gate_up_transposed, ex.down, ex.down_transposed,
-                                     cfg, ex.output, logits, nodes, shapes, with_logits, ex.hidden, ex.ep, ex.ep_mode))
+                                     cfg, ex.output, logits, nodes, shapes, with_logits, ex.hidden, ex.ep, ex.ep_mode,
+                                     ex.ep_note))
     return matches, left, claimed
 
 

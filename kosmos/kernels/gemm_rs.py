@@ -178,8 +178,9 @@ def gemm_rs_kernel(stream_ptr, n_tasks, ws_table, err_host, rank_base, world,
                             # two slots per step (more loads in flight), still added in rank order
                             for q in range(0, world, 2):
                                 p0 = tl.load(my_slots + q * mo64 * N64 + offs, mask=rmask, other=0.0)
-                                p1 = tl.load(my_slots + (q + 1) * mo64 * N64 + offs, mask=rmask & (q + 1 < world),
-                                             other=0.0)
+                                # the slot test as a tensor: triton 3.9's interpreter refuses mask & scalar
+                                has_p1 = (rcols[None, :] * 0 + q + 1) < world
+                                p1 = tl.load(my_slots + (q + 1) * mo64 * N64 + offs, mask=rmask & has_p1, other=0.0)
                                 total += p0.to(tl.float32)
                                 total += p1.to(tl.float32)
                             total = total * scale

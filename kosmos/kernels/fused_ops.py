@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from kosmos.kernels import moe_ops
 from kosmos.ops import dispatch
 
 MIN_ROWS = 128
@@ -262,6 +263,7 @@ def run_gemm_rs(inputs, weights, bias, scatter_dim, reduce_op, world_size, group
 def register() -> None:
     dispatch.register_fused("ag_gemm", why_not_ag_gemm, run_ag_gemm)
     dispatch.register_fused("gemm_rs", why_not_gemm_rs, run_gemm_rs)
+    moe_ops.register()  # kosmos::moe_layer (opt-in: KOSMOS_FUSED_MOE=1)
 
 
 def workspace_bytes() -> dict:

@@ -856,24 +856,31 @@ def find_unmatched_routers(graph: fx.Graph, claimed: set[fx.Node]) -> list[LeftA
     return left
 
 
-def run(gm: fx.GraphModule, example_inputs, options) -> int:
-    """Rewrites every matched MoE block of `gm` into one kosmos::moe_layer call; returns how many."""
+def planned_impl(call: fx.Node) -> tuple[str, str]:
+    """("fused" | "reference", reason) for a kosmos::moe_layer call node, judged on its arguments' fake values
+    (the run-time choice is recorded again at each call)."""
     from kosmos.ops import dispatch
 
+    args = fx.node.map_arg(call.args, _val)
+    v = args[0]
+    device = v.device if isinstance(v, torch.Tensor) else torch.device("cpu")
+    reason = dispatch.why_reference("moe_layer", device, *args)
+    return ("reference", reason) if reason else ("fused", "supported")
+
+
+def run(gm: fx.GraphModule, example_inputs, options) -> int:
+    """Rewrites every matched MoE block of `gm` into one kosmos::moe_layer call; returns how many."""
     graph = gm.graph
     matches, left, claimed = find_moe_layers(graph)
     done = 0
     for m in matches:
         try:
-            m.replace(graph)
+            call = m.replace(graph)
         except _NoMatch as e:
             left.append(LeftAlone(str(e), tuple(n.name for n in m.nodes), m.shapes))
             continue
         m.erase(graph)
-        v = _val(m.hidden)
-        device = v.device if isinstance(v, torch.Tensor) else torch.device("cpu")
-        reason = dispatch.why_reference("moe_layer", device)
-        m.record("reference" if reason else "fused", reason or "supported")
+        m.record(*planned_impl(call))
         done += 1
     left += find_unmatched_routers(graph, claimed)
     for la in left:

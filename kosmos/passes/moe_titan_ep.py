@@ -41,8 +41,9 @@ import torch
 import torch.fx as fx
 
 from kosmos.passes.moe import (
-    _CASTS, _DIVS, KIND, LeftAlone, RouterConfig, _arg, _closed_region, _const, _describe, _dim_last,
-    _dtype, _expert_weight, _new, _NoMatch, _root, _router_linear, _set_fake_values, _shape, _val, _Walk, op_name)
+    _CASTS, _DIVS, KIND, LeftAlone, RouterConfig, _arg, _closed_region, _const, _describe, _dim_last, _dtype,
+    _expert_weight, _new, _NoMatch, _root, _router_linear, _set_fake_values, _shape, _val, _Walk, op_name,
+    planned_impl)
 from kosmos.reporting import PassRecord, record
 
 _GRAPH = "pre-grad"
@@ -452,22 +453,17 @@ def find_titan_ep_moe(graph: fx.Graph) -> tuple[list[TitanEpMatch], list[LeftAlo
 
 def run(gm: fx.GraphModule, example_inputs, options) -> int:
     """Rewrites every torchtitan-style EP MoE block of `gm` into one kosmos::moe_layer call; returns how many."""
-    from kosmos.ops import dispatch
-
     graph = gm.graph
     matches, left = find_titan_ep_moe(graph)
     done = 0
     for m in matches:
         try:
-            m.replace(graph)
+            call = m.replace(graph)
         except _NoMatch as e:
             left.append(LeftAlone(f"{_WHAT}: {e}", tuple(n.name for n in m.nodes), m.shapes))
             continue
         m.erase(graph)
-        v = _val(m.hidden)
-        device = v.device if isinstance(v, torch.Tensor) else torch.device("cpu")
-        reason = dispatch.why_reference("moe_layer", device)
-        m.record("reference" if reason else "fused", reason or "supported")
+        m.record(*planned_impl(call))
         done += 1
     for la in left:
         la.record()

@@ -1,0 +1,485 @@
+"""Fused forward of `kosmos::moe_layer` without expert parallelism: router -> top-k -> experts -> fold in ONE
+persistent, self-scheduling launch (`moe_forward`). Semantics: exactly the reference `route` + `experts` of
+kosmos.ops.moe: softmax or sigmoid scoring, optional router_bias and score_correction_bias, group-limited top-k
+(n_group a power of two / topk_group), renormalisation (+1e-20 for sigmoid), routed_scaling_factor, router_dtype,
+weights rounded to the logits dtype, with the reference's intermediate roundings emulated (sigmoid scores and
+their sums in the logits dtype). kosmos.kernels.moe_ops.why_not_moe_layer refuses the rest with a reason.
+
+Task stream (programs claim task indices from ONE atomic counter in device memory; a task's kind follows from
+arithmetic on its index; every producer precedes its consumers, so a wait is always on a task some running
+program has already claimed):
+
+    [ROUTE x n_tiles] [SCAN] [SCATTER x n_tiles] [UP x max_blocks*n_iblk] [DOWN x max_blocks*n_hblk] [FOLD x n_tiles]
+
+- ROUTE(tile of BT tokens): router GEMM (tl.dot over H, logits rounded to router_dtype, + router_bias), softmax
+  in fp32 or sigmoid, selection values (+ correction bias, group mask), top-k by repeated max (lowest expert id
+  wins a tie), renorm / scaling, weights rounded to the logits dtype; stores ids, weights and each pair's rank
+  among the tile's pairs of the same expert (token order), and the tile's per-expert pair counts as one row of the
+  count matrix [n_tiles, E] (computed in registers from
+  the selection mask, plain stores: no atomics, nothing to zero). Then routed += 1 (release).
+- SCAN (one task): waits routed == n_tiles; per-expert totals (tokens_per_expert), the expert-major start of
+  each expert's rows, each expert's first row block, and, overwriting the count matrix in place, the base row
+  of every (tile, expert): expert_start[e] + pairs of e in earlier tiles. So pair (t, j) with expert e of tile
+  i has the FIXED row base[i, e] + rank(t, j) in the expert-sorted order (experts ascending, tokens ascending
+  inside an expert) whatever the grid and timing. scanned = 1.
+- SCATTER(tile): waits scanned; sorted_token[row] = t for the tile's pairs. scattered += 1.
+- UP(block b, I-chunk ib): waits scattered == n_tiles; block b is the b-th BM-row block of the expert-sorted rows
+  (blocks never straddle experts: expert e owns ceil(count_e / BM) blocks); blocks past the real number exit.
+  Gathers the BM token rows with pointer loads, gate and up GEMMs against gate_up_proj[e] (TMA descriptor over
+  gate_up_proj viewed [E*2I, H]), SwiGLU with the reference's roundings (gate/up rounded to the weight dtype,
+  silu rounded, product rounded, cast to down_proj's dtype), masked store into act [T*k, I] (sorted rows).
+  up_done[b] += 1.
+- DOWN(block b, H-chunk nb): waits up_done[b] == n_iblk; y rows = act rows @ down_proj[e].T (the GEMM core's
+  gemm_tile: TMA descriptors over act [T*k, I] and down_proj viewed [E*H, I], fp32 accumulation over I), cast to
+  down_proj's dtype, masked store into y [T*k, H]. downed += 1 (also for blocks past the real number).
+- FOLD(tile): waits downed == max_blocks*n_hblk; out[t] = sum over j = 0..k-1 IN ORDER of
+  (y[row(t, j)] * w[t, j]) rounded to promote(down dtype, logits dtype), summed in fp32, rounded to that dtype,
+  cast to hidden's dtype.
+
+max_blocks = (T*k + min(E, T*k) * (BM - 1)) // BM bounds sum_e ceil(count_e / BM) for ANY routing, so the task
+count (and every host scalar) depends only on shapes: no host sync, no .tolist(); the launch is capturable in a
+CUDA graph.
+
+Determinism: rows are placed by the scan, never by an atomic; every output element is computed by exactly one
+task with a fixed reduction order (K loops in order, the fold in j order). Which program runs a task does not
+change any arithmetic, so two runs are bit-identical whatever the number of programs.
+
+Counters and CUDA graphs: the claim counter, the phase counters (routed, scanned, scattered, downed), the
+per-block up_done counters and an error word live in one per-device int32 control tensor (`_Control`), zeroed
+when it is allocated. We chose "zero at the end of the launch by the last program" over epochs: the per-block
+counters' targets (n_iblk) change with the shape, which would break epoch arithmetic on a shared workspace.
+Every program counts itself out (acq_rel atomic) after its last access; the one that arrives last zeroes all
+counters, so the next launch on the stream (or the next replay of a captured graph) starts from zero, with no
+reset kernel and no per-call host scalar. The control tensor only grows (a new, zeroed tensor) outside graph
+capture. Launches that share the control tensor must be stream-ordered (one stream per device).
+
+Spins (kosmos.kernels.signals.wait_flag) are bounded in wall time (runtime.spin_timeout_s); past the bound a
+program records an error word (code, op, task) in the control tensor and in a host-mapped mirror and stops
+claiming; every other waiting program sees the error word and gives up. The host raises runtime.KernelTimeout at
+the next call (at once with KOSMOS_DEBUG_SYNC=1), and the control tensor is then unusable (WorkspaceBroken).
+
+Module layout: routing pieces (ROUTE, SCAN, pair rows) in kosmos.kernels.moe_route; the gate (why_not / run /
+register, opt-in via KOSMOS_FUSED_MOE=1) in kosmos.kernels.moe_ops.
+
+Workspaces per call (torch allocator, so a captured graph gets fixed addresses): ids / weights / ranks [T, k],
+counts [n_tiles, E], meta [3E], sorted_token [T*k], act [T*k, I] and y [T*k, H] in down_proj's dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kosmos.kernels import runtime
+from kosmos.kernels.gemm import gemm_tile, input_precision
+from kosmos.kernels.moe_route import pair_rows, pick, route_tile, scan_counts
+from kosmos.kernels.signals import ERR_TIMEOUT, proxy_fence, wait_flag
+
+OP_ID = tl.constexpr(3)  # runtime.OP_IDS gets "moe_layer": 3
+
+# int32 words of the control tensor
+C_CLAIM = tl.constexpr(0)
+C_DONE = tl.constexpr(1)
+C_ROUTED = tl.constexpr(2)
+C_SCANNED = tl.constexpr(3)
+C_SCATTERED = tl.constexpr(4)
+C_DOWNED = tl.constexpr(5)
+C_ERR = tl.constexpr(8)  # code, op, task
+C_UP = tl.constexpr(16)  # up_done[max_blocks]
+CTRL_HEAD = 16
+
+
+# ----------------------------------------------------------------------------------------------------------
+# jit pieces
+
+
+@triton.jit
+def _signal(ptr, USE_ASM: tl.constexpr):
+    """Publishes this program's prior writes (generic and, for TMA readers, async proxy): += 1, release."""
+    proxy_fence(USE_ASM)
+    tl.debug_barrier()
+    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _record_error(ctrl, err_host, task):
+    old = tl.atomic_cas(ctrl + C_ERR, 0, ERR_TIMEOUT, sem="acq_rel", scope="gpu")
+    if old == 0:
+        tl.store(ctrl + C_ERR + 1, OP_ID)
+        tl.store(ctrl + C_ERR + 2, task)
+        tl.store(err_host + 1, OP_ID)
+        tl.store(err_host + 3, task)
+        tl.debug_barrier()
+        tl.store(err_host, ERR_TIMEOUT)
+
+
+@triton.jit
+def _block_rows(b, meta, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Row block b of the expert-sorted rows -> (valid, expert, first row, end row of the expert)."""
+    cols_e = tl.arange(0, BLOCK_E)
+    emask = cols_e < E
+    bend = tl.load(meta + 2 * E + cols_e, mask=emask, other=0, cache_modifier=".cg")
+    nblocks = tl.max(bend, axis=0)
+    valid = b < nblocks
+    e = tl.sum(tl.where(emask & (bend <= b), 1, 0), axis=0)
+    e = tl.minimum(e, E - 1)
+    start = tl.load(meta + e, cache_modifier=".cg")
+    cnt = tl.load(meta + E + e, cache_modifier=".cg")
+    e_bend = tl.load(meta + 2 * E + e, cache_modifier=".cg")
+    first_block = e_bend - (cnt + BM - 1) // BM
+    row0 = start + (b - first_block) * BM
+    return valid, e, row0, start + cnt
+
+
+@triton.jit
+def _up_tile(b, ib, meta, sorted_tok, hidden, h_ld, gu_desc, act, H, I, E,
+             BM: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
+             UP_PRECISION: tl.constexpr):
+    W: tl.constexpr = gu_desc.dtype
+    valid, e, row0, row_end = _block_rows(b, meta, E, BM, BLOCK_E)
+    if valid:
+        rows = row0 + tl.arange(0, BM)
+        rmask = rows < row_end
+        tok = tl.load(sorted_tok + rows, mask=rmask, other=0, cache_modifier=".cg").to(tl.int64)
+        g_row = e * 2 * I + ib * BI
+        u_row = g_row + I
+        acc_g = tl.zeros((BM, BI), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BI), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            ks = k0 + tl.arange(0, BK)
+            x = tl.load(hidden + tok[:, None] * h_ld + ks[None, :], mask=rmask[:, None] & (ks < H)[None, :],
+                        other=0.0).to(W)
+            g = gu_desc.load([g_row, k0])
+            u = gu_desc.load([u_row, k0])
+            acc_g = tl.dot(x, g.T, acc_g, input_precision=UP_PRECISION)
+            acc_u = tl.dot(x, u.T, acc_u, input_precision=UP_PRECISION)
+        gate = acc_g.to(W).to(tl.float32)
+        up = acc_u.to(W).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(W).to(tl.float32)
+        a = (silu * up).to(W).to(act.dtype.element_ty)
+        cols = ib * BI + tl.arange(0, BI)
+        tl.store(act + rows.to(tl.int64)[:, None] * I + cols[None, :], a,
+                 mask=rmask[:, None] & (cols < I)[None, :])
+
+
+@triton.jit
+def _down_tile(b, nb, meta, act_desc, down_desc, y, H, I, E,
+               BM: tl.constexpr, BN: tl.constexpr, BK2: tl.constexpr, BLOCK_E: tl.constexpr,
+               DOWN_PRECISION: tl.constexpr):
+    valid, e, row0, row_end = _block_rows(b, meta, E, BM, BLOCK_E)
+    if valid:
+        acc = gemm_tile(act_desc, down_desc, row0, e * H + nb * BN, tl.cdiv(I, BK2), BM, BN, BK2,
+                        False, True, DOWN_PRECISION)
+        rows = row0 + tl.arange(0, BM)
+        cols = nb * BN + tl.arange(0, BN)
+        tl.store(y + rows.to(tl.int64)[:, None] * H + cols[None, :], acc.to(y.dtype.element_ty),
+                 mask=(rows < row_end)[:, None] & (cols < H)[None, :])
+
+
+@triton.jit
+def _fold_tile(tile, ids_ptr, rank_ptr, w_ptr, base, y, out, o_ld, T, H, E,
+               TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, PD_F32: tl.constexpr):
+    rows, m2, offs, pos = pair_rows(tile, ids_ptr, rank_ptr, base, T, E, TOP_K, KP, BT)
+    w = tl.load(w_ptr + offs, mask=m2, other=0.0, cache_modifier=".cg")
+    colk = tl.arange(0, KP)
+    rmask = rows < T
+    YD: tl.constexpr = y.dtype.element_ty
+    for h0 in range(0, H, BH):
+        hs = h0 + tl.arange(0, BH)
+        m = rmask[:, None] & (hs < H)[None, :]
+        acc = tl.zeros((BT, BH), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            pj = pick(pos, colk, j).to(tl.int64)
+            wj = pick(w, colk, j)
+            yv = tl.load(y + pj[:, None] * H + hs[None, :], mask=m, other=0.0, cache_modifier=".cg")
+            prod = yv.to(tl.float32) * wj[:, None]
+            if not PD_F32:
+                prod = prod.to(YD).to(tl.float32)
+            acc += prod
+        if not PD_F32:
+            acc = acc.to(YD).to(tl.float32)
+        tl.store(out + rows.to(tl.int64)[:, None] * o_ld + hs[None, :], acc.to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["T", "n_tiles", "max_blocks", "err_host", "timeout_ns"])
+def moe_forward_kernel(ctrl, err_host, timeout_ns,
+                       hidden, h_ld, rw, rw_ld, rb, cb, gu_desc, down_desc, act_desc,
+                       logits, ids_ptr, w_ptr, rank_ptr, counts, meta, tpe, sorted_tok, act, y, out, o_ld,
+                       T, H, I, E, rsf, eps, n_tiles, max_blocks,
+                       SIGMOID: tl.constexpr, HAS_CB: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                       SD_ROUND: tl.constexpr, CD_ROUND: tl.constexpr,
+                       HAS_RB: tl.constexpr, RET_LOGITS: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr,
+                       TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr, BT: tl.constexpr,
+                       BKR: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr,
+                       BN: tl.constexpr, BK2: tl.constexpr, BH: tl.constexpr, SCAN_T: tl.constexpr,
+                       PD_F32: tl.constexpr, ROUTER_PRECISION: tl.constexpr, UP_PRECISION: tl.constexpr,
+                       DOWN_PRECISION: tl.constexpr, USE_ASM: tl.constexpr):
+    err_host = err_host.to(tl.pointer_type(tl.int32))  # host-mapped (pinned) mirror
+    err = ctrl + C_ERR
+    n_iblk = tl.cdiv(I, BI)
+    n_hblk = tl.cdiv(H, BN)
+    scan_task = n_tiles
+    scatter0 = n_tiles + 1
+    up0 = scatter0 + n_tiles
+    down0 = up0 + max_blocks * n_iblk
+    fold0 = down0 + max_blocks * n_hblk
+    n_tasks = fold0 + n_tiles
+    status = 0
+    t = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
+    while (t < n_tasks) & (status == 0):
+        if t < scan_task:  # ---- ROUTE
+            route_tile(t, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, H, E, rsf,
+                       eps, HAS_RB, RET_LOGITS, NORM, SCALED, SIGMOID, HAS_CB, N_GROUP, TOPK_GROUP, SD_ROUND,
+                       CD_ROUND, TOP_K, KP, BT, BLOCK_E, BKR, ROUTER_PRECISION)
+            _signal(ctrl + C_ROUTED, USE_ASM)
+        elif t == scan_task:  # ---- SCAN
+            status = wait_flag(ctrl + C_ROUTED, n_tiles, err, timeout_ns, "gpu", USE_ASM)
+            if status == 0:
+                scan_counts(counts, meta, tpe, n_tiles, E, BM, BLOCK_E, SCAN_T)
+                _signal(ctrl + C_SCANNED, USE_ASM)
+        elif t < up0:  # ---- SCATTER
+            status = wait_flag(ctrl + C_SCANNED, 1, err, timeout_ns, "gpu", USE_ASM)
+            if status == 0:
+                tile = t - scatter0
+                rows, m2, offs, pos = pair_rows(tile, ids_ptr, rank_ptr, counts, T, E, TOP_K, KP, BT)
+                tok = rows[:, None] + tl.zeros((BT, KP), dtype=tl.int32)
+                tl.store(sorted_tok + pos, tok, mask=m2)
+                _signal(ctrl + C_SCATTERED, USE_ASM)
+        elif t < down0:  # ---- UP
+            status = wait_flag(ctrl + C_SCATTERED, n_tiles, err, timeout_ns, "gpu", USE_ASM)
+            if status == 0:
+                u = t - up0
+                b = u // n_iblk
+                _up_tile(b, u - b * n_iblk, meta, sorted_tok, hidden, h_ld, gu_desc, act, H, I, E,
+                         BM, BI, BK, BLOCK_E, UP_PRECISION)
+                _signal(ctrl + C_UP + b, USE_ASM)
+        elif t < fold0:  # ---- DOWN
+            d = t - down0
+            b = d // n_hblk
+            status = wait_flag(ctrl + C_UP + b, n_iblk, err, timeout_ns, "gpu", USE_ASM)
+            if status == 0:
+                _down_tile(b, d - b * n_hblk, meta, act_desc, down_desc, y, H, I, E, BM, BN, BK2, BLOCK_E,
+                           DOWN_PRECISION)
+                _signal(ctrl + C_DOWNED, USE_ASM)
+        else:  # ---- FOLD
+            status = wait_flag(ctrl + C_DOWNED, max_blocks * n_hblk, err, timeout_ns, "gpu", USE_ASM)
+            if status == 0:
+                _fold_tile(t - fold0, ids_ptr, rank_ptr, w_ptr, counts, y, out, o_ld, T, H, E,
+                           TOP_K, KP, BT, BH, PD_F32)
+        if status == ERR_TIMEOUT:
+            _record_error(ctrl, err_host, t)
+        if status == 0:
+            t = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
+    # count out; the last program zeroes every counter for the next launch (graph replays included)
+    tl.debug_barrier()
+    old = tl.atomic_add(ctrl + C_DONE, 1, sem="acq_rel", scope="gpu")
+    if old == tl.num_programs(0) - 1:
+        z = tl.arange(0, 8)
+        tl.store(ctrl + z, tl.zeros((8,), dtype=tl.int32))
+        for b0 in range(0, max_blocks, 128):
+            bs = b0 + tl.arange(0, 128)
+            tl.store(ctrl + C_UP + bs, tl.zeros((128,), dtype=tl.int32), mask=bs < max_blocks)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# host side
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Tiles: BT tokens per route / fold tile (BKR: router K block, BH: fold columns), BM sorted rows per expert
+    block, BI columns of I per up tile (two accumulators, gate and up), BK its K block over H, BN columns of H per
+    down tile, BK2 its K block over I."""
+    bt: int = 64
+    bkr: int = 64
+    bm: int = 128
+    bi: int = 64
+    bk: int = 64
+    bn: int = 128
+    bk2: int = 64
+    bh: int = 128
+    scan_t: int = 32
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# fp32 (4-byte elements) halves the K blocks; the interpreter wants tiny tiles (every op is numpy)
+CONFIGS = {
+    "default": MoeConfig(),
+    "fp32": MoeConfig(bkr=32, bk=32, bk2=32),
+    # exact fp32 (FMA, no tensor cores): small tiles, as the GEMM core's "fp32_ieee"
+    "fp32_ieee": MoeConfig(bt=32, bkr=16, bm=64, bi=32, bk=16, bn=64, bk2=16, bh=64, num_warps=4),
+    "interpret": MoeConfig(bt=16, bkr=16, bm=16, bi=16, bk=16, bn=32, bk2=16, bh=32, scan_t=16, num_warps=4,
+                           num_stages=1),
+}
+
+
+def select_config(hidden: torch.Tensor, gate_up_proj: torch.Tensor) -> MoeConfig:
+    if runtime.interpreting():
+        return CONFIGS["interpret"]
+    if gate_up_proj.dtype == torch.float32:
+        cfg = CONFIGS["fp32" if input_precision(torch.float32) == "tf32" else "fp32_ieee"]
+    else:
+        cfg = CONFIGS["default"]
+    if gate_up_proj.shape[0] > 128 and cfg.bt > 32:
+        cfg = dataclasses.replace(cfg, bt=32)  # [BT, E] router tiles of 256 experts: keep them small
+    return cfg
+
+
+def max_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
+    """Upper bound of sum_e ceil(count_e / bm) over every routing of num_pairs pairs onto num_experts experts."""
+    return (num_pairs + min(num_experts, num_pairs) * (bm - 1)) // bm
+
+
+def num_tasks(T: int, H: int, I: int, E: int, top_k: int, cfg: MoeConfig) -> int:
+    n_tiles = triton.cdiv(T, cfg.bt)
+    mb = max_blocks(T * top_k, E, cfg.bm)
+    return 3 * n_tiles + 1 + mb * (triton.cdiv(I, cfg.bi) + triton.cdiv(H, cfg.bn))
+
+
+class _Control:
+    """Per-device control tensor (counters, error word) and its host-mapped error mirror."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.ctrl = torch.zeros(CTRL_HEAD + 128, dtype=torch.int32, device=device)
+        self.err_host = torch.zeros(4, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.bad: Optional[str] = None
+        self.lock = threading.Lock()
+
+    def ensure(self, blocks: int) -> None:
+        if CTRL_HEAD + blocks <= self.ctrl.numel():
+            return
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"kosmos moe_forward: the control tensor must grow to {blocks} blocks during CUDA "
+                               "graph capture; run the op once with these shapes before capturing")
+        self.ctrl = torch.zeros(CTRL_HEAD + max(blocks, 2 * (self.ctrl.numel() - CTRL_HEAD)), dtype=torch.int32,
+                                device=self.device)
+
+    def check(self) -> None:
+        if self.bad is not None:
+            raise runtime.WorkspaceBroken(f"kosmos moe_forward: control tensor unusable: {self.bad}")
+        if int(self.err_host[0]) != 0:
+            if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize(self.device)
+            exc = runtime.KernelTimeout("moe_layer", 0, int(self.err_host[3]))
+            self.bad = str(exc)
+            raise exc
+
+    def after_launch(self) -> None:
+        if runtime.debug_sync() and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.check()
+
+
+_controls: dict = {}
+_controls_lock = threading.Lock()
+
+
+def control(device: torch.device) -> _Control:
+    key = (device.type, device.index if device.index is not None else
+           (torch.cuda.current_device() if device.type == "cuda" else 0))
+    with _controls_lock:
+        c = _controls.get(key)
+        if c is None:
+            c = _controls[key] = _Control(device)
+        return c
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: Optional[torch.Tensor],
+                score_correction_bias: Optional[torch.Tensor], gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                top_k: int, scoring: str = "softmax", norm_topk_prob: bool = True, n_group: int = 1,
+                topk_group: int = 1, routed_scaling_factor: float = 1.0, router_dtype: Optional[torch.dtype] = None,
+                activation: str = "silu", return_router_logits: bool = False, *, programs: Optional[int] = None,
+                config: Optional[MoeConfig] = None, return_routing: bool = False):
+    """kosmos::moe_layer's forward (ep_group_name None) in one launch -> (out [T, H], router_logits [T, E] or
+    [0, E], tokens_per_expert [E] int32) (+ (topk_ids [T, k] int32, topk_weights [T, k] fp32 of the logits-dtype
+    values) with return_routing). Raises ValueError for what the kernel does not support (moe_ops.why_not_moe_layer
+    says the same without raising). programs: grid size (default one per SM; 1 in the interpreter)."""
+    from kosmos.kernels.moe_ops import kernel_reason
+
+    reason = kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
+                           scoring, n_group, topk_group, router_dtype, activation)
+    if reason is not None:
+        raise ValueError(f"kosmos moe_forward: {reason}")
+    device = hidden.device
+    T, H = hidden.shape
+    E, two_i, _ = gate_up_proj.shape
+    I = two_i // 2
+    rd = router_dtype or hidden.dtype
+    cfg = config or select_config(hidden, gate_up_proj)
+    n_tiles = triton.cdiv(T, cfg.bt)
+    mb = max_blocks(T * top_k, E, cfg.bm)
+    n_tasks = num_tasks(T, H, I, E, top_k, cfg)
+    ctl = control(device)
+    ctl.check()
+    ctl.ensure(mb)
+    pairs = T * top_k
+    i32 = dict(dtype=torch.int32, device=device)
+    logits = torch.empty(T if return_router_logits else 0, E, dtype=rd, device=device)
+    logits_arg = logits if return_router_logits else torch.empty(1, dtype=rd, device=device)
+    ids = torch.empty(T, top_k, **i32)
+    ranks = torch.empty(T, top_k, **i32)
+    wts = torch.empty(T, top_k, dtype=torch.float32, device=device)
+    counts = torch.empty(n_tiles, E, **i32)
+    meta = torch.empty(3 * E, **i32)
+    tpe = torch.empty(E, **i32)
+    sorted_tok = torch.empty(pairs, **i32)
+    act = torch.empty(pairs, I, dtype=down_proj.dtype, device=device)
+    y = torch.empty(pairs, H, dtype=down_proj.dtype, device=device)
+    out = torch.empty(T, H, dtype=hidden.dtype, device=device)
+    gu_desc = TensorDescriptor(gate_up_proj.view(E * two_i, H), [E * two_i, H], [H, 1], [cfg.bi, cfg.bk])
+    down_desc = TensorDescriptor(down_proj.view(E * H, I), [E * H, I], [I, 1], [cfg.bn, cfg.bk2])
+    act_desc = TensorDescriptor(act, [pairs, I], [I, 1], [cfg.bm, cfg.bk2])
+    product = torch.promote_types(down_proj.dtype, rd)
+    if product not in (torch.float32, down_proj.dtype):
+        raise ValueError(f"kosmos moe_forward: product dtype {product} of down_proj {down_proj.dtype} and logits {rd}")
+    interp = runtime.interpreting()
+    P = programs or (1 if interp or device.type != "cuda" else runtime.num_sms(device))
+    P = max(1, min(P, n_tasks))
+    sigmoid = scoring == "sigmoid"
+    scaled = sigmoid or routed_scaling_factor != 1.0  # the reference's rule
+    score_dtype = torch.float32 if not sigmoid else rd
+    choice_dtype = score_dtype if score_correction_bias is None else torch.promote_types(score_dtype,
+                                                                                         score_correction_bias.dtype)
+    args = (ctl.ctrl, ctl.err_host.data_ptr(), runtime.spin_timeout_ns(),
+            hidden, hidden.stride(0), router_weight, router_weight.stride(0),
+            router_bias if router_bias is not None else router_weight,
+            score_correction_bias if score_correction_bias is not None else router_weight, gu_desc, down_desc, act_desc,
+            logits_arg, ids, wts, ranks, counts, meta, tpe, sorted_tok, act, y, out, out.stride(0),
+            T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles, mb)
+    meta_kw = dict(SIGMOID=sigmoid, HAS_CB=score_correction_bias is not None, N_GROUP=n_group, TOPK_GROUP=topk_group,
+                   SD_ROUND=score_dtype != torch.float32, CD_ROUND=choice_dtype != torch.float32,
+                   HAS_RB=router_bias is not None, RET_LOGITS=bool(return_router_logits), NORM=bool(norm_topk_prob),
+                   SCALED=scaled, TOP_K=top_k, KP=max(2, _next_pow2(top_k)), BLOCK_E=max(16, _next_pow2(E)),
+                   BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk, BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh,
+                   SCAN_T=cfg.scan_t, PD_F32=product == torch.float32,
+                   ROUTER_PRECISION=_precision(rd), UP_PRECISION=_precision(gate_up_proj.dtype),
+                   DOWN_PRECISION=_precision(down_proj.dtype), USE_ASM=not interp,
+                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (P,)
+    runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,
+                                                 tuple(sorted((k, str(v)) for k, v in meta_kw.items()))),
+                            grid, device, args, meta_kw)
+    with ctl.lock:
+        moe_forward_kernel[grid](*args, **meta_kw)
+    ctl.after_launch()
+    res = (out, logits, tpe)
+    if return_routing:
+        res = res + (ids, wts)
+    return res
+
+
+def _precision(dtype: torch.dtype) -> str:
+    p = input_precision(dtype)
+    return "ieee" if p == "ieee" else "tf32"

@@ -1,0 +1,129 @@
+"""Plugs the fused MoE forward kernel (kosmos.kernels.moe) into `kosmos::moe_layer` (kosmos.ops.dispatch).
+
+Opt-in: the kernel has run only under the Triton interpreter so far, so `why_not_moe_layer` refuses every call
+unless env KOSMOS_FUSED_MOE=1 (read at each call). It also refuses, with the reason:
+- non-CUDA tensors, GPUs before sm_90 (TMA descriptors);
+- expert parallelism (ep_group_name set): the kernel has no all-to-all yet;
+- n_group not a power of two (group-limited routing), activations other than silu;
+- dtypes other than bfloat16 / float16 / float32; gate_up_proj and down_proj of different dtypes; a product
+  dtype promote(down_proj, logits) that is neither float32 nor down_proj's dtype;
+- more than 256 experts or top_k > 16 (the router tile holds all experts of BT tokens in registers);
+- T == 0; non-contiguous expert weights, hidden / router_weight rows without unit stride, TMA alignment
+  (16-byte aligned bases, H and I rows of a multiple of 16 bytes).
+This module imports no Triton (the kernel is imported at the first fused call).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from kosmos.ops import dispatch
+
+ENV = "KOSMOS_FUSED_MOE"
+MAX_EXPERTS = 256
+MAX_TOP_K = 16
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "0") == "1"
+
+
+def _misaligned(t: torch.Tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(t):
+            return False
+        return t.data_ptr() % 16 != 0
+    except RuntimeError:
+        return False
+
+
+def kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
+                  n_group, topk_group, router_dtype, activation) -> Optional[str]:
+    """Why the kernel cannot take these arguments (device-independent part), or None."""
+    if scoring not in ("softmax", "sigmoid"):
+        return f"router scoring={scoring!r}: the fused kernel supports softmax and sigmoid"
+    if n_group & (n_group - 1):
+        return f"n_group={n_group}: the fused kernel's group-limited routing needs a power of two"
+    if score_correction_bias is not None and score_correction_bias.dtype not in _DTYPES:
+        return f"score_correction_bias dtype {score_correction_bias.dtype}"
+    if score_correction_bias is not None and score_correction_bias.stride(0) != 1 and score_correction_bias.numel() > 1:
+        return "score_correction_bias is not contiguous"
+    if activation != "silu":
+        return f"activation {activation!r}: the fused kernel supports silu (SwiGLU) only"
+    rd = router_dtype or hidden.dtype
+    for name, t in (("hidden", hidden), ("router_weight", router_weight), ("gate_up_proj", gate_up_proj),
+                    ("down_proj", down_proj)):
+        if t.dtype not in _DTYPES:
+            return f"{name} dtype {t.dtype}: the fused kernel takes bfloat16/float16/float32"
+    if rd not in _DTYPES:
+        return f"router_dtype {rd}: the fused kernel takes bfloat16/float16/float32"
+    if router_bias is not None and router_bias.dtype not in _DTYPES:
+        return f"router_bias dtype {router_bias.dtype}"
+    if gate_up_proj.dtype != down_proj.dtype:
+        return f"gate_up_proj {gate_up_proj.dtype} and down_proj {down_proj.dtype} differ"
+    product = torch.promote_types(down_proj.dtype, rd)
+    if product not in (torch.float32, down_proj.dtype):
+        return f"product dtype {product} of down_proj {down_proj.dtype} and logits {rd}"
+    T, H = hidden.shape
+    E, two_i, _ = gate_up_proj.shape
+    I = two_i // 2
+    if T == 0:
+        return "no tokens (T == 0)"
+    if E > MAX_EXPERTS:
+        return f"{E} experts > {MAX_EXPERTS} (the router tile holds every expert's logit in registers)"
+    if top_k > MAX_TOP_K:
+        return f"top_k={top_k} > {MAX_TOP_K}"
+    if hidden.stride(1) != 1 and H > 1:
+        return f"hidden strides {tuple(hidden.stride())}: rows need unit stride"
+    if router_weight.stride(1) != 1 and H > 1:
+        return f"router_weight strides {tuple(router_weight.stride())}: rows need unit stride"
+    if router_bias is not None and router_bias.stride(0) != 1 and E > 1:
+        return "router_bias is not contiguous"
+    for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if not t.is_contiguous():
+            return f"{name} is not contiguous (TMA descriptors over [E*rows, cols])"
+        if _misaligned(t):
+            return f"{name} base address is not 16-byte aligned (TMA)"
+    size = gate_up_proj.element_size()
+    if (H * size) % 16:
+        return f"H={H}: gate_up_proj rows of {H * size} bytes are not a multiple of 16 (TMA)"
+    if (I * down_proj.element_size()) % 16:
+        return (f"I={I}: down_proj / activation rows of {I * down_proj.element_size()} bytes are not a multiple of 16 "
+                "(TMA)")
+    return None
+
+
+def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
+                      scoring, norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
+                      activation="silu", return_router_logits=False, ep_group_name=None, ep_world_size=1,
+                      ep_mode="all_to_all") -> Optional[str]:
+    if not enabled():
+        return f"fused MoE kernel not yet run on a GPU; set {ENV}=1 to try it"
+    if hidden.device.type != "cuda":
+        return f"{hidden.device.type} tensors"
+    if torch.cuda.get_device_capability(hidden.device)[0] < 9:
+        return "TMA descriptors need compute capability >= 9.0"
+    if ep_group_name is not None:
+        return f"expert parallelism (ep_group_name={ep_group_name!r}, ep_mode={ep_mode!r}) is not fused yet"
+    return kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
+                         scoring, n_group, topk_group, router_dtype, activation)
+
+
+def run_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
+                  norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
+                  activation="silu", return_router_logits=False, ep_group_name=None, ep_world_size=1,
+                  ep_mode="all_to_all"):
+    from kosmos.kernels.moe import moe_forward
+
+    return moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
+                       scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
+                       return_router_logits)
+
+
+def register() -> None:
+    dispatch.register_fused("moe_layer", why_not_moe_layer, run_moe_layer)

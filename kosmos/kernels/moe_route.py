@@ -1,0 +1,176 @@
+"""Routing pieces of the fused MoE forward (kosmos.kernels.moe): the ROUTE task's router GEMM + softmax + top-k of
+one token tile, the SCAN of the per-tile expert counts into fixed row bases, and the sorted row of each pair.
+
+Positions are deterministic: a ROUTE tile stores its per-expert pair counts (from the selection mask, in registers,
+plain stores) and each pair's rank among the tile's pairs of the same expert (token order); the scan turns the
+[n_tiles, E] count matrix, in place, into base rows expert_start[e] + pairs of e in earlier tiles; pair (t, j) of
+tile i with expert e then has row base[i, e] + rank(t, j), whatever the grid and timing.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pick(mat, colk, j):
+    """Column j of a [BT, KP] matrix as a [BT] vector."""
+    return tl.sum(tl.where(colk[None, :] == j, mat, tl.zeros_like(mat)), axis=1)
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr, ON: tl.constexpr):
+    """x rounded to DT and back to fp32 when ON (a torch op in a narrower dtype), else x."""
+    if ON:
+        return x.to(DT).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def route_tile(tile, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, H, E, rsf, eps,
+                HAS_RB: tl.constexpr, RET_LOGITS: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr,
+                SIGMOID: tl.constexpr, HAS_CB: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                SD_ROUND: tl.constexpr, CD_ROUND: tl.constexpr,
+                TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr,
+                BKR: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
+    """SD_ROUND: the scores' dtype is the logits dtype RD (sigmoid of non-fp32 logits), so every op on them rounds
+    to RD; CD_ROUND: the same for the selection values scores + score_correction_bias."""
+    RD: tl.constexpr = logits.dtype.element_ty
+    rows = tile * BT + tl.arange(0, BT)
+    rmask = rows < T
+    rows64 = rows.to(tl.int64)
+    cols_e = tl.arange(0, BLOCK_E)
+    emask = cols_e < E
+    colk = tl.arange(0, KP)
+    acc = tl.zeros((BT, BLOCK_E), dtype=tl.float32)
+    for k0 in range(0, H, BKR):
+        ks = k0 + tl.arange(0, BKR)
+        kmask = ks < H
+        x = tl.load(hidden + rows64[:, None] * h_ld + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(rw + cols_e.to(tl.int64)[:, None] * rw_ld + ks[None, :], mask=emask[:, None] & kmask[None, :],
+                    other=0.0)
+        acc = tl.dot(x.to(RD), tl.trans(w.to(RD)), acc, input_precision=ROUTER_PRECISION)
+    if HAS_RB:
+        acc += tl.load(rb + cols_e, mask=emask, other=0.0).to(RD).to(tl.float32)[None, :]
+    lg = acc.to(RD)
+    if RET_LOGITS:
+        tl.store(logits + rows64[:, None] * E + cols_e[None, :], lg, mask=rmask[:, None] & emask[None, :])
+    lf = tl.where(emask[None, :], lg.to(tl.float32), float("-inf"))
+    if SIGMOID:
+        scores = _round(1.0 / (1.0 + tl.exp(-lf)), RD, SD_ROUND)
+    else:
+        mx = tl.max(lf, axis=1)
+        p = tl.exp(lf - mx[:, None])
+        p = tl.where(emask[None, :], p, 0.0)
+        scores = p / tl.sum(p, axis=1)[:, None]
+    # selection values (the plain softmax router selects on the scores themselves)
+    choice = scores
+    if HAS_CB:
+        choice = _round(scores + tl.load(cb + cols_e, mask=emask, other=0.0).to(tl.float32)[None, :], RD, CD_ROUND)
+    choice = tl.where(emask[None, :], choice, float("-inf"))
+    if N_GROUP > 1:  # keep the TOPK_GROUP groups with the largest sum of their 2 best choice values
+        gsize = E // N_GROUP
+        grp = cols_e // gsize
+        colg = tl.arange(0, N_GROUP)
+        gsc = tl.zeros((BT, N_GROUP), dtype=tl.float32)
+        for g in tl.static_range(N_GROUP):
+            cg = tl.where((grp == g)[None, :], choice, float("-inf"))
+            m1 = tl.max(cg, axis=1)
+            i1 = tl.min(tl.where(cg == m1[:, None], cols_e[None, :], BLOCK_E), axis=1)
+            m2 = tl.max(tl.where(cols_e[None, :] == i1[:, None], float("-inf"), cg), axis=1)
+            gsc = tl.where(colg[None, :] == g, _round(m1 + m2, RD, CD_ROUND)[:, None], gsc)
+        keep_g = tl.zeros((BT, N_GROUP), dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            gm = tl.max(gsc, axis=1)
+            gi = tl.min(tl.where(gsc == gm[:, None], colg[None, :], N_GROUP), axis=1)
+            keep_g = tl.where(colg[None, :] == gi[:, None], 1, keep_g)
+            gsc = tl.where(colg[None, :] == gi[:, None], float("-inf"), gsc)
+        keep = tl.zeros((BT, BLOCK_E), dtype=tl.int32)
+        for g in tl.static_range(N_GROUP):
+            kg = tl.sum(tl.where(colg[None, :] == g, keep_g, 0), axis=1)
+            keep = tl.where((grp == g)[None, :], kg[:, None] + tl.zeros((BT, BLOCK_E), dtype=tl.int32), keep)
+        choice = tl.where(keep != 0, choice, float("-inf"))
+    # top-k by repeated max: descending values (torch.topk's sorted order), lowest id first on ties; taken
+    # experts leave the race through `taken` (the values may be -inf already)
+    work = choice
+    taken = tl.zeros((BT, BLOCK_E), dtype=tl.int32)
+    sel = tl.zeros((BT, BLOCK_E), dtype=tl.int32)
+    ids = tl.zeros((BT, KP), dtype=tl.int32)
+    vals = tl.zeros((BT, KP), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        free = (taken == 0) & emask[None, :]
+        mv = tl.max(tl.where(free, work, float("-inf")), axis=1)
+        idx = tl.min(tl.where(free & (work == mv[:, None]), cols_e[None, :], BLOCK_E), axis=1)
+        idx = tl.where(idx == BLOCK_E, tl.min(tl.where(free, cols_e[None, :], BLOCK_E), axis=1), idx)
+        hit = cols_e[None, :] == idx[:, None]
+        sel = tl.where(hit, 1, sel)
+        taken = tl.where(hit, 1, taken)
+        ids = tl.where(colk[None, :] == j, idx[:, None], ids)
+        vj = tl.sum(tl.where(hit, scores, 0.0), axis=1)  # the score (not the choice value) of the expert
+        vals = tl.where(colk[None, :] == j, vj[:, None], vals)
+    sel = tl.where(rmask[:, None], sel, 0)
+    tl.store(counts + tile * E + cols_e, tl.sum(sel, axis=0), mask=emask)
+    before = tl.cumsum(sel, axis=0) - sel  # pairs of each expert in earlier tokens of this tile
+    ranks = tl.zeros((BT, KP), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        idj = pick(ids, colk, j)
+        rj = tl.sum(tl.where(cols_e[None, :] == idj[:, None], before, 0), axis=1)
+        ranks = tl.where(colk[None, :] == j, rj[:, None], ranks)
+    kmask_j = colk < TOP_K
+    wts = vals
+    if NORM:
+        denom = _round(tl.sum(tl.where(kmask_j[None, :], vals, 0.0), axis=1), RD, SD_ROUND)
+        if SIGMOID:
+            denom = _round(denom + eps, RD, SD_ROUND)
+        wts = _round(wts / denom[:, None], RD, SD_ROUND)
+    if SCALED:
+        wts = _round(wts * rsf, RD, SD_ROUND)
+    wts = wts.to(RD).to(tl.float32)
+    offs = rows64[:, None] * TOP_K + colk[None, :]
+    m2 = rmask[:, None] & kmask_j[None, :]
+    tl.store(ids_ptr + offs, ids, mask=m2)
+    tl.store(w_ptr + offs, wts, mask=m2)
+    tl.store(rank_ptr + offs, ranks, mask=m2)
+
+
+@triton.jit
+def scan_counts(counts, meta, tpe, n_tiles, E, BM: tl.constexpr, BLOCK_E: tl.constexpr, SCAN_T: tl.constexpr):
+    """counts [n_tiles, E] -> base rows in place; meta = [expert_start | totals | block_end] ([E] each)."""
+    cols_e = tl.arange(0, BLOCK_E)
+    emask = cols_e < E
+    trow = tl.arange(0, SCAN_T)
+    totals = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for t0 in range(0, n_tiles, SCAN_T):
+        r = t0 + trow
+        m = (r < n_tiles)[:, None] & emask[None, :]
+        c = tl.load(counts + r[:, None] * E + cols_e[None, :], mask=m, other=0, cache_modifier=".cg")
+        totals += tl.sum(c, axis=0)
+    start = tl.cumsum(totals, axis=0) - totals
+    nblk = (totals + BM - 1) // BM
+    block_end = tl.cumsum(nblk, axis=0)
+    tl.store(meta + cols_e, start, mask=emask)
+    tl.store(meta + E + cols_e, totals, mask=emask)
+    tl.store(meta + 2 * E + cols_e, block_end, mask=emask)
+    tl.store(tpe + cols_e, totals, mask=emask)
+    running = start
+    for t0 in range(0, n_tiles, SCAN_T):
+        r = t0 + trow
+        m = (r < n_tiles)[:, None] & emask[None, :]
+        c = tl.load(counts + r[:, None] * E + cols_e[None, :], mask=m, other=0, cache_modifier=".cg")
+        base = running[None, :] + tl.cumsum(c, axis=0) - c
+        tl.store(counts + r[:, None] * E + cols_e[None, :], base, mask=m)
+        running += tl.sum(c, axis=0)
+
+
+@triton.jit
+def pair_rows(tile, ids_ptr, rank_ptr, base, T, E, TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr):
+    """(token rows [BT], mask [BT, KP], sorted row of each pair [BT, KP]) of a token tile (after the scan)."""
+    rows = tile * BT + tl.arange(0, BT)
+    colk = tl.arange(0, KP)
+    m2 = (rows < T)[:, None] & (colk < TOP_K)[None, :]
+    offs = rows.to(tl.int64)[:, None] * TOP_K + colk[None, :]
+    ids = tl.load(ids_ptr + offs, mask=m2, other=0, cache_modifier=".cg")
+    rk = tl.load(rank_ptr + offs, mask=m2, other=0, cache_modifier=".cg")
+    pos = tl.load(base + tile * E + ids, mask=m2, other=0, cache_modifier=".cg") + rk
+    return rows, m2, offs, pos

@@ -1,0 +1,255 @@
+"""The fused MoE forward kernel (kosmos.kernels.moe) on the CPU under TRITON_INTERPRET=1, against the reference
+`route` + `experts` of kosmos.ops.moe, plus its gate (kosmos.kernels.moe_ops) in-process.
+
+The interpreter runs programs one after another: the first program claims and runs every task (each wait is on a
+task it ran itself earlier), the others find the queue empty; so grids of 1 and 3 programs both run here and must
+give the same bits. fp16 / fp32 only (the interpreter's tl.dot on bf16 multiplies raw bits).
+
+All kernel cases run in ONE subprocess (TRITON_INTERPRET must be set before triton is imported and must not leak
+into other tests); each test checks its case's line of the report.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renorm", "empty_experts",
+         "all_on_one_expert", "many_blocks_per_expert", "mixed_hidden_fp32_weights_fp16", "top2_one_token",
+         "counters_zeroed_and_error_word", "deepseek_v3_router_fp32", "sigmoid_fp16_plain",
+         "softmax_grouped_corrected_fp16"]
+
+
+# ----------------------------------------------------------------------------------------------- cases (subprocess)
+
+
+def _inputs(torch, T, H, I, E, dtype, seed, wdtype=None, router_scale=0.5):
+    g = torch.Generator().manual_seed(seed)
+    wdtype = wdtype or dtype
+    h = torch.randn(T, H, generator=g).to(dtype)
+    rw = (torch.randn(E, H, generator=g) * router_scale).to(dtype)
+    gu = (torch.randn(E, 2 * I, H, generator=g) * 0.2).to(wdtype)
+    d = (torch.randn(E, H, I, generator=g) * 0.2).to(wdtype)
+    return h, rw, gu, d
+
+
+def _check(torch, h, rw, gu, d, top_k, *, tol, router_bias=None, norm=True, rsf=1.0, router_dtype=None,
+           programs=(1, 3), scoring="softmax", correction=None, n_group=1, topk_group=1):
+    """Runs the kernel (logits returned) with each grid size; checks routing, logits, counts and output against the
+    reference, bit-identical results across runs; returns a summary."""
+    from kosmos.kernels.moe import moe_forward
+    from kosmos.ops.moe import experts, route
+
+    E = gu.shape[0]
+    logits, ids, w = route(h, rw, router_bias, correction, top_k, scoring, norm, n_group, topk_group, rsf, router_dtype)
+    ref, counts = experts(h, ids, w, gu, d)
+    runs = []
+    for p in programs:
+        out, lg, tpe, kid, kw = moe_forward(h, rw, router_bias, correction, gu, d, top_k, scoring, norm, n_group,
+                                            topk_group, routed_scaling_factor=rsf, router_dtype=router_dtype,
+                                            return_router_logits=True, programs=p, return_routing=True)
+        runs.append((out, lg, tpe, kid, kw))
+    out, lg, tpe, kid, kw = runs[0]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b), "reruns / grid sizes not bit-identical"
+    assert out.dtype == h.dtype and tuple(out.shape) == tuple(h.shape)
+    assert lg.dtype == logits.dtype and torch.allclose(lg.float(), logits.float(), rtol=1e-3, atol=1e-3)
+    if scoring == "softmax" and correction is None and n_group == 1:
+        assert torch.equal(kid.long(), ids), "routing differs from the reference"
+    else:  # unsorted top-k: the same experts, in any order
+        order = kid.long().sort(dim=1)
+        kid, kw = order.values, kw.gather(1, order.indices)
+        ref_order = ids.sort(dim=1)
+        ids, w = ref_order.values, w.gather(1, ref_order.indices)
+        assert torch.equal(kid, ids), "routing differs from the reference"
+    assert torch.allclose(kw, w.float(), rtol=1e-3, atol=1e-6), (kw, w)
+    assert tpe.dtype == torch.int32 and torch.equal(tpe, counts), (tpe, counts)
+    assert torch.isfinite(out).all()
+    err = float((out.double() - ref.double()).norm() / ref.double().norm())
+    assert err <= tol, err
+    return {"err": err, "counts": tpe.tolist(), "E": E}
+
+
+def case_fp16_top2_renorm(torch):
+    h, rw, gu, d = _inputs(torch, 20, 32, 16, 4, torch.float16, 0)  # T=20: not a multiple of the 16-token tile
+    return _check(torch, h, rw, gu, d, 2, tol=2e-3)
+
+
+def case_fp32_top1_bias_scaled(torch):
+    h, rw, gu, d = _inputs(torch, 19, 32, 16, 4, torch.float32, 1)
+    bias = torch.randn(4, generator=torch.Generator().manual_seed(5)) * 0.3
+    return _check(torch, h, rw, gu, d, 1, tol=1e-5, router_bias=bias, norm=False, rsf=2.5)
+
+
+def case_fp16_router_fp32_no_renorm(torch):
+    h, rw, gu, d = _inputs(torch, 24, 32, 16, 6, torch.float16, 2)
+    return _check(torch, h, rw, gu, d, 2, tol=2e-3, norm=False, router_dtype=torch.float32)
+
+
+def case_empty_experts(torch):
+    h, rw, gu, d = _inputs(torch, 21, 32, 16, 8, torch.float16, 3)
+    bias = torch.zeros(8, dtype=torch.float16)
+    bias[[1, 4, 6]] = -30.0  # never chosen
+    res = _check(torch, h, rw, gu, d, 2, tol=2e-3, router_bias=bias)
+    assert [res["counts"][i] for i in (1, 4, 6)] == [0, 0, 0], res
+    return res
+
+
+def case_all_on_one_expert(torch):
+    h, rw, gu, d = _inputs(torch, 20, 32, 16, 4, torch.float32, 4)
+    bias = torch.tensor([0.0, 0.0, 40.0, 0.0])
+    res = _check(torch, h, rw, gu, d, 1, tol=1e-5, router_bias=bias)
+    assert res["counts"] == [0, 0, 20, 0], res
+    res2 = _check(torch, h, rw, gu, d, 2, tol=1e-5, router_bias=bias)  # every token's first slot on expert 2
+    assert res2["counts"][2] == 20, res2
+    return {"top1": res, "top2": res2}
+
+
+def case_many_blocks_per_expert(torch):
+    # 70 tokens x top-2 over 4 experts: several 16-row blocks per expert, 5 token tiles, H and I over 2 chunks
+    h, rw, gu, d = _inputs(torch, 70, 64, 32, 4, torch.float16, 6)
+    return _check(torch, h, rw, gu, d, 2, tol=2e-3)
+
+
+def case_mixed_hidden_fp32_weights_fp16(torch):
+    h, rw, gu, d = _inputs(torch, 18, 32, 16, 4, torch.float32, 7, wdtype=torch.float16)
+    return _check(torch, h, rw, gu, d, 2, tol=2e-3)
+
+
+def case_top2_one_token(torch):
+    h, rw, gu, d = _inputs(torch, 1, 32, 16, 4, torch.float16, 8)  # T*k = 2 < E: blocks bound min(E, T*k)
+    return _check(torch, h, rw, gu, d, 2, tol=2e-3)
+
+
+def case_counters_zeroed_and_error_word(torch):
+    from kosmos.kernels import moe
+    from kosmos.kernels.runtime import KernelTimeout, WorkspaceBroken
+
+    h, rw, gu, d = _inputs(torch, 20, 32, 16, 4, torch.float16, 9)
+    moe.moe_forward(h, rw, None, None, gu, d, 2, programs=2)
+    ctl = moe.control(h.device)
+    assert int(ctl.ctrl.abs().sum()) == 0, ctl.ctrl.tolist()  # the last program zeroed every counter
+    ctl.err_host[3] = 17
+    ctl.err_host[0] = 1  # what a timed-out spin leaves in the host mirror
+    for exc in (KernelTimeout, WorkspaceBroken):
+        try:
+            moe.moe_forward(h, rw, None, None, gu, d, 2)
+            raise AssertionError(f"no {exc.__name__}")
+        except exc as e:
+            msg = str(e)
+    moe._controls.clear()
+    out = moe.moe_forward(h, rw, None, None, gu, d, 2)[0]  # a fresh control tensor works again
+    assert torch.isfinite(out).all()
+    return {"msg": msg}
+
+
+def case_deepseek_v3_router_fp32(torch):
+    # sigmoid, correction bias, 4 groups of 4 (top-2 groups), top-3, renorm + 1e-20, scaling 2.5, fp32 router
+    h, rw, gu, d = _inputs(torch, 22, 32, 16, 16, torch.float16, 10)
+    corr = torch.linspace(-0.05, 0.05, 16)
+    return _check(torch, h, rw, gu, d, 3, tol=2e-3, scoring="sigmoid", correction=corr, n_group=4, topk_group=2,
+                  rsf=2.5, router_dtype=torch.float32)
+
+
+def case_sigmoid_fp16_plain(torch):
+    # sigmoid scores in fp16 (the logits dtype): every router op rounds to fp16; no renorm, router bias
+    h, rw, gu, d = _inputs(torch, 20, 32, 16, 8, torch.float16, 11)
+    bias = torch.linspace(-0.1, 0.1, 8).half()
+    return _check(torch, h, rw, gu, d, 2, tol=2e-3, scoring="sigmoid", norm=False, router_bias=bias)
+
+
+def case_softmax_grouped_corrected_fp16(torch):
+    h, rw, gu, d = _inputs(torch, 20, 32, 16, 8, torch.float16, 12)
+    corr = torch.linspace(0.02, -0.02, 8)
+    return _check(torch, h, rw, gu, d, 2, tol=2e-3, correction=corr, n_group=2, topk_group=1, rsf=1.5)
+
+
+def _main():
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    import torch as _torch
+
+    report = {}
+    for name in CASES:
+        try:
+            report[name] = {"ok": True, "info": globals()["case_" + name](_torch)}
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
+    print("REPORT " + json.dumps(report))
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert lines, f"no report (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("REPORT "):])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_interpreted_case(report, case):
+    r = report[case]
+    assert r["ok"], r.get("error", "") + "\n" + r.get("tb", "")
+
+
+def test_gate_needs_env(monkeypatch):
+    from kosmos.kernels import moe_ops
+
+    h = torch.randn(4, 32)
+    args = (h, torch.randn(4, 32), None, None, torch.randn(4, 32, 32), torch.randn(4, 32, 16), 2, "softmax", True)
+    monkeypatch.delenv("KOSMOS_FUSED_MOE", raising=False)
+    assert moe_ops.why_not_moe_layer(*args) == ("fused MoE kernel not yet run on a GPU; set KOSMOS_FUSED_MOE=1 to "
+                                                "try it")
+    monkeypatch.setenv("KOSMOS_FUSED_MOE", "1")
+    assert moe_ops.why_not_moe_layer(*args) == "cpu tensors"
+
+
+def test_kernel_reasons():
+    from kosmos.kernels.moe_ops import kernel_reason
+
+    h = torch.randn(4, 32)
+    rw, gu, d = torch.randn(4, 32), torch.randn(4, 32, 32), torch.randn(4, 32, 16)
+    ok = (h, rw, None, None, gu, d, 2, "softmax", 1, 1, None, "silu")
+    assert kernel_reason(*ok) is None
+    assert kernel_reason(h, rw, None, torch.zeros(4), gu, d, 2, "sigmoid", 2, 1, None, "silu") is None
+    assert "power of two" in kernel_reason(torch.randn(4, 32), torch.randn(6, 32), None, None, torch.randn(6, 32, 32),
+                                           torch.randn(6, 32, 16), 2, "softmax", 3, 1, None, "silu")
+    assert "differ" in kernel_reason(h, rw, None, None, gu.half(), d, 2, "softmax", 1, 1, None, "silu")
+    assert "T == 0" in kernel_reason(h[:0], rw, None, None, gu, d, 2, "softmax", 1, 1, None, "silu")
+    odd = torch.randn(4, 2 * 3, 32), torch.randn(4, 32, 3)  # I=3 fp32: 12-byte rows
+    assert "16" in kernel_reason(h, rw, None, None, *odd, 2, "softmax", 1, 1, None, "silu")
+    assert "contiguous" in kernel_reason(h, rw, None, None, gu.transpose(1, 2).contiguous().transpose(1, 2), d, 2,
+                                         "softmax", 1, 1, None, "silu")
+    big = torch.randn(300, 32), torch.randn(300, 32, 32), torch.randn(300, 32, 16)
+    assert "256" in kernel_reason(h, big[0], None, None, big[1], big[2], 2, "softmax", 1, 1, None, "silu")
+
+
+def test_op_on_cpu_takes_reference_with_reason(monkeypatch):
+    import kosmos  # noqa: F401  (registers the ops and the fused impls)
+    from kosmos import reporting
+
+    monkeypatch.setenv("KOSMOS_FUSED_MOE", "1")
+    reporting.reset()
+    h = torch.randn(6, 32)
+    torch.ops.kosmos.moe_layer(h, torch.randn(4, 32), None, None, torch.randn(4, 32, 32), torch.randn(4, 32, 16), 2,
+                               "softmax", True)
+    runs = reporting.report().runtime
+    assert [k for k in runs if k[0] == "moe_layer"] == [("moe_layer", "reference", "cpu tensors (fused kernels need "
+                                                          "CUDA)")], runs
+
+
+if __name__ == "__main__":
+    _main()

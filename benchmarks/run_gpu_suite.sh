@@ -21,7 +21,7 @@ tail -2 "$OUT/tests_gpu.log"
 
 # 2. pass snapshots and backend on this machine's torch (graph forms differ between versions)
 timeout ${PASS_TIMEOUT:-200} python3 -m pytest -q -rfE -p no:cacheprovider tests/test_tp_sp_pass.py \
-    tests/test_tp_sp_hf.py tests/test_backend.py tests/test_moe_pass.py > "$OUT/tests_pass.log" 2>&1
+    tests/test_tp_sp_hf.py tests/test_backend.py tests/test_moe_pass.py tests/test_moe_hf_ep.py tests/test_moe_titan_ep.py > "$OUT/tests_pass.log" 2>&1
 rc_pass=$?
 grep -E "^(FAILED|ERROR)" "$OUT/tests_pass.log" | head -20
 tail -1 "$OUT/tests_pass.log"
@@ -31,7 +31,12 @@ timeout ${BENCH_TIMEOUT:-150} python3 benchmarks/tp_sp.py --mode queue --out "$O
 rc_tp=$?
 timeout ${GEMM_TIMEOUT:-200} python3 benchmarks/gemm.py --json "$OUT/gemm.json" > "$OUT/bench_gemm.log" 2>&1
 rc_gemm=$?
+# 4. MoE layer (fused kernels opt-in until this run has passed): the gated cells first
+KOSMOS_FUSED_MOE=1 timeout ${MOE_TIMEOUT:-240} python3 benchmarks/moe.py --ts 16384 --only qwen3_235b \
+    --json "$OUT/moe.json" > "$OUT/bench_moe.log" 2>&1
+rc_moe=$?
 tail -15 "$OUT/bench_tp_sp.log"
 tail -8 "$OUT/bench_gemm.log"
-echo "gpu tests rc=$rc_gpu  pass tests rc=$rc_pass  tp_sp bench rc=$rc_tp  gemm bench rc=$rc_gemm"
-exit $(( rc_gpu != 0 || rc_pass != 0 || rc_tp != 0 || rc_gemm != 0 ))
+tail -5 "$OUT/bench_moe.log"
+echo "gpu tests rc=$rc_gpu  pass tests rc=$rc_pass  tp_sp bench rc=$rc_tp  gemm bench rc=$rc_gemm  moe bench rc=$rc_moe"
+exit $(( rc_gpu != 0 || rc_pass != 0 || rc_tp != 0 || rc_gemm != 0 || rc_moe != 0 ))

@@ -23,8 +23,14 @@ class TitanEpMoE(nn.Module):
     """One MoE layer whose `num_experts` experts are split evenly over the ranks of `group`; x: [T, dim]."""
 
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int, group=None, *, seed: int = 0,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, route_norm: bool = False, route_scale: float = 1.0,
+                 activation: str = "silu", fold_fp32: bool = False, leak: bool = False):
+        """torchtitan's router options `route_norm` (top-k scores renormalised) and `route_scale`, and variations a
+        pass must refuse: `activation="gelu"` (gelu(x @ w1) * (x @ w3)), `fold_fp32` (the fold multiplies and sums
+        in float32, then casts), `leak` (the received token counts are also used after the block)."""
         super().__init__()
+        self.route_norm, self.route_scale, self.activation = route_norm, route_scale, activation
+        self.fold_fp32, self.leak = fold_fp32, leak
         self.group = group if group is not None else dist.group.WORLD
         self.ep_size = dist.get_world_size(self.group)
         self.ep_rank = dist.get_rank(self.group)
@@ -47,6 +53,10 @@ class TitanEpMoE(nn.Module):
         T, dim = x.shape
         scores = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
         top_scores, expert_ids = torch.topk(scores, self.top_k, dim=-1)
+        if self.route_norm:
+            top_scores = top_scores / top_scores.sum(dim=-1, keepdim=True)
+        if self.route_scale != 1.0:
+            top_scores = top_scores * self.route_scale
         flat_ids = expert_ids.view(-1)
         # tokens per global expert; sorted by expert they are grouped by owner rank
         counts = torch.histc(flat_ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1).long()
@@ -67,14 +77,18 @@ class TitanEpMoE(nn.Module):
         offsets = torch.cumsum(recv_counts.view(self.ep_size, self.num_local).sum(0), 0, dtype=torch.int32)
         h1 = torch._grouped_mm(h, self.w1.transpose(-2, -1), offs=offsets)
         h3 = torch._grouped_mm(h, self.w3.transpose(-2, -1), offs=offsets)
-        out = torch._grouped_mm(F.silu(h1) * h3, self.w2.transpose(-2, -1), offs=offsets)
+        act = F.silu(h1) if self.activation == "silu" else F.gelu(h1)
+        out = torch._grouped_mm(act * h3, self.w2.transpose(-2, -1), offs=offsets)
         # unpermute, send the results back, undo the sort and fold the top-k with the scores
         unpermuted = torch.empty_like(out)
         unpermuted[perm] = out
         returned = funcol.all_to_all_single_autograd(unpermuted, input_splits, output_splits, self.group)
         per_slot = torch.empty_like(returned)
         per_slot[order] = returned
-        return (per_slot.view(T, self.top_k, dim) * top_scores.unsqueeze(-1).to(x.dtype)).sum(1)
+        if self.fold_fp32:
+            return (per_slot.view(T, self.top_k, dim).float() * top_scores.unsqueeze(-1)).sum(1).to(x.dtype)
+        out = (per_slot.view(T, self.top_k, dim) * top_scores.unsqueeze(-1).to(x.dtype)).sum(1)
+        return out + (recv_counts.sum() * 0).to(out.dtype) if self.leak else out
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The same layer with every expert local (no communication), in float64."""
@@ -82,11 +96,15 @@ class TitanEpMoE(nn.Module):
         x = x.double()
         scores = torch.softmax(x @ self.router.weight.double().t(), dim=-1)
         top_scores, expert_ids = torch.topk(scores, self.top_k, dim=-1)
+        if self.route_norm:
+            top_scores = top_scores / top_scores.sum(dim=-1, keepdim=True)
+        top_scores = top_scores * self.route_scale
+        act = F.silu if self.activation == "silu" else F.gelu
         out = torch.zeros_like(x)
         for t in range(x.shape[0]):
             for j in range(self.top_k):
                 e = expert_ids[t, j]
-                y = (F.silu(x[t] @ w1[e].t()) * (x[t] @ w3[e].t())) @ w2[e].t()
+                y = (act(x[t] @ w1[e].t()) * (x[t] @ w3[e].t())) @ w2[e].t()
                 out[t] += top_scores[t, j] * y
         return out
 

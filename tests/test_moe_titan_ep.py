@@ -9,8 +9,6 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from expecttest import TestCase
 
 import kosmos
@@ -19,76 +17,6 @@ from ep_moe_models import TitanEpMoE
 from graph_capture import compile_and_capture, count_ops, skeleton
 
 LEFTOVERS = ("all_to_all_single", "_grouped_mm", "wait_tensor", "histc", "argsort", "sort.")
-
-
-class TitanEpMoEVariant(TitanEpMoE):
-    """TitanEpMoE with torchtitan's router options and variations the kosmos pass must take or refuse:
-    `route_norm` (top-k scores renormalised), `route_scale` (scores times a constant), `activation` ("silu" or
-    "gelu": gelu(x @ w1) * (x @ w3), which kosmos::moe_layer cannot express), `fold_fp32` (the fold multiplies and
-    sums in float32 and casts the result, not in the tokens' dtype), `leak` (the received token counts are also used
-after the block). (Kept here, not in ep_moe_models.py, which
-    other tests' authors edit.)"""
-
-    def __init__(self, *args, route_norm: bool = False, route_scale: float = 1.0, activation: str = "silu",
-                 fold_fp32: bool = False, leak: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.leak = leak
-        self.route_norm, self.route_scale, self.activation, self.fold_fp32 = route_norm, route_scale, activation, fold_fp32
-
-    def _act(self, h):
-        return F.silu(h) if self.activation == "silu" else F.gelu(h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T, dim = x.shape
-        scores = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
-        top_scores, expert_ids = torch.topk(scores, self.top_k, dim=-1)
-        if self.route_norm:
-            top_scores = top_scores / top_scores.sum(dim=-1, keepdim=True)
-        top_scores = top_scores * self.route_scale
-        flat_ids = expert_ids.view(-1)
-        counts = torch.histc(flat_ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1).long()
-        order = torch.argsort(flat_ids, stable=True)
-        routed = x[order // self.top_k]
-        recv_counts = funcol.all_to_all_single(counts, None, None, self.group)
-        send_splits = counts.view(self.ep_size, self.num_local).sum(1)
-        recv_splits = recv_counts.view(self.ep_size, self.num_local).sum(1)
-        input_splits = send_splits.tolist()
-        output_splits = recv_splits.tolist()
-        received = funcol.all_to_all_single_autograd(routed, output_splits, input_splits, self.group)
-        local_ids = torch.arange(self.num_local, device=x.device).repeat(self.ep_size)
-        local_ids = local_ids.repeat_interleave(recv_counts.view(-1), output_size=sum(output_splits))
-        perm = torch.argsort(local_ids, stable=True)
-        h = received[perm]
-        offsets = torch.cumsum(recv_counts.view(self.ep_size, self.num_local).sum(0), 0, dtype=torch.int32)
-        h1 = torch._grouped_mm(h, self.w1.transpose(-2, -1), offs=offsets)
-        h3 = torch._grouped_mm(h, self.w3.transpose(-2, -1), offs=offsets)
-        out = torch._grouped_mm(self._act(h1) * h3, self.w2.transpose(-2, -1), offs=offsets)
-        unpermuted = torch.empty_like(out)
-        unpermuted[perm] = out
-        returned = funcol.all_to_all_single_autograd(unpermuted, input_splits, output_splits, self.group)
-        per_slot = torch.empty_like(returned)
-        per_slot[order] = returned
-        if self.fold_fp32:
-            return (per_slot.view(T, self.top_k, dim).float() * top_scores.unsqueeze(-1)).sum(1).to(x.dtype)
-        out = (per_slot.view(T, self.top_k, dim) * top_scores.unsqueeze(-1).to(x.dtype)).sum(1)
-        return out + (recv_counts.sum() * 0).to(out.dtype) if self.leak else out
-
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The variant with every expert local, in float64."""
-        w1, w3, w2 = (w.double() for w in self.full_weights)
-        x = x.double()
-        scores = torch.softmax(x @ self.router.weight.double().t(), dim=-1)
-        top_scores, expert_ids = torch.topk(scores, self.top_k, dim=-1)
-        if self.route_norm:
-            top_scores = top_scores / top_scores.sum(dim=-1, keepdim=True)
-        top_scores = top_scores * self.route_scale
-        out = torch.zeros_like(x)
-        for t in range(x.shape[0]):
-            for j in range(self.top_k):
-                e = expert_ids[t, j]
-                y = (self._act(x[t] @ w1[e].t()) * (x[t] @ w3[e].t())) @ w2[e].t()
-                out[t] += top_scores[t, j] * y
-        return out
 
 
 @contextlib.contextmanager
@@ -239,7 +167,7 @@ def test_numerics_gloo(world):
 def test_renormalised_scaled_router_rewritten():
     """torchtitan's route_norm / route_scale are the op's norm_topk_prob / routed_scaling_factor."""
     with world1():
-        m = TitanEpMoEVariant(16, 32, 4, 2, route_norm=True, route_scale=2.5)
+        m = TitanEpMoE(16, 32, 4, 2, route_norm=True, route_scale=2.5)
         x, grad = _inputs()
         eager = _fwd_bwd(m, x, grad)
         compiled = _compiled_fwd_bwd(m, x, grad)
@@ -252,7 +180,7 @@ def test_renormalised_scaled_router_rewritten():
 
 REFUSED = {
     "gelu": (dict(activation="gelu"), "torchtitan-style all-to-all EP MoE: experts activation: expected "
-             "silu(h @ w1.T) * (h @ w3.T), found gelu (call_function gelu) * h3 (call_function _grouped_mm) "
+             "silu(h @ w1.T) * (h @ w3.T), found act (call_function gelu) * h3 (call_function _grouped_mm) "
              "(kosmos::moe_layer has activation 'silu' only)"),
     "fold_fp32": (dict(fold_fp32=True), "routing weights reach the fold in torch.float32, not the router logits' "
                   "torch.bfloat16 (kosmos::moe_layer casts the weights to the logits' dtype)"),
@@ -265,7 +193,7 @@ REFUSED = {
 def test_refused_with_reason(variant):
     kwargs, reason = REFUSED[variant]
     with world1():
-        m = TitanEpMoEVariant(16, 32, 4, 2, **kwargs)
+        m = TitanEpMoE(16, 32, 4, 2, **kwargs)
         x, grad = _inputs()
         eager = _fwd_bwd(m, x, grad)
         compiled = _compiled_fwd_bwd(m, x, grad)

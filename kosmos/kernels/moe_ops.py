@@ -31,17 +31,6 @@ def enabled() -> bool:
     return os.environ.get(ENV, "0") == "1"
 
 
-def _misaligned(t: torch.Tensor) -> bool:
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-
-        if is_fake(t):
-            return False
-        return t.data_ptr() % 16 != 0
-    except RuntimeError:
-        return False
-
-
 def kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
                   n_group, topk_group, router_dtype, activation) -> Optional[str]:
     """Why the kernel cannot take these arguments (device-independent part), or None."""
@@ -84,6 +73,8 @@ def kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gat
         return f"router_weight strides {tuple(router_weight.stride())}: rows need unit stride"
     if router_bias is not None and router_bias.stride(0) != 1 and E > 1:
         return "router_bias is not contiguous"
+    from kosmos.kernels.fused_ops import _misaligned  # (fused_ops imports this module)
+
     for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
         if not t.is_contiguous():
             return f"{name} is not contiguous (TMA descriptors over [E*rows, cols])"

@@ -202,13 +202,8 @@ class MoeLayerMatch:
 
     def replace(self, graph: fx.Graph) -> fx.Node:
         """Inserts the kosmos::moe_layer call after the last of its inputs and rewires the output (and logits)."""
-        pos = {n: i for i, n in enumerate(graph.nodes)}
-        anchor = max(self.inputs(), key=pos.__getitem__)
         region = set(self.nodes)
-        early = [u.name for u in self.logits.users if u not in region and pos[u] <= pos[anchor]]
-        if early:
-            raise _NoMatch(f"router logits are used by {early} before all the block's inputs exist")
-        with graph.inserting_before(anchor.next):
+        with graph.inserting_before(insertion_point(graph, self.inputs(), self.logits, region)):
             gate_up, down = self.gate_up, self.down
             if self.gate_up_transposed:
                 gate_up = _new(graph, "call_method", "transpose", (gate_up, -2, -1), like=self.output)
@@ -220,16 +215,7 @@ class MoeLayerMatch:
                     r.router_dtype, "silu", self.with_logits, self.ep[0], self.ep[1])
             if self.ep_mode != "all_to_all":
                 args += (self.ep_mode,)
-            call = _new(graph, "call_function", torch.ops.kosmos.moe_layer.default, args, like=self.output)
-            out = _new(graph, "call_function", operator.getitem, (call, 0), like=self.output)
-            logits = None
-            if self.with_logits:
-                logits = _new(graph, "call_function", operator.getitem, (call, 1), like=self.logits)
-        _set_fake_values(call, [out, logits])
-        self.output.replace_all_uses_with(out)
-        if logits is not None:
-            self.logits.replace_all_uses_with(logits, delete_user_cb=lambda u: u not in region)
-        return call
+            return emit_moe_layer(graph, args, self.output, self.logits, self.with_logits, region)
 
     def erase(self, graph: fx.Graph) -> None:
         pos = {n: i for i, n in enumerate(graph.nodes)}
@@ -275,6 +261,31 @@ def _new(graph: fx.Graph, op: str, target, args, like: fx.Node) -> fx.Node:
         if isinstance(v, torch.Tensor):
             node.meta["example_value"] = v.transpose(-2, -1)
     return node
+
+
+def insertion_point(graph: fx.Graph, inputs: list[fx.Node], logits: fx.Node, region: set) -> fx.Node:
+    """Where a block's kosmos::moe_layer goes: right after the last of its inputs (before the returned node);
+    refused if the router logits are read outside the block before that point."""
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = max(inputs, key=pos.__getitem__)
+    early = [u.name for u in logits.users if u not in region and pos[u] <= pos[anchor]]
+    if early:
+        raise _NoMatch(f"router logits are used by {early} before all the block's inputs exist")
+    return anchor.next
+
+
+def emit_moe_layer(graph: fx.Graph, args: tuple, output: fx.Node, logits: fx.Node, with_logits: bool,
+                   region: set) -> fx.Node:
+    """Inserts kosmos::moe_layer(*args) and its out (and logits) outputs at the insertion point, then rewires the
+    block's output and the logits' users outside `region` to them; returns the call."""
+    call = _new(graph, "call_function", torch.ops.kosmos.moe_layer.default, args, like=output)
+    out = _new(graph, "call_function", operator.getitem, (call, 0), like=output)
+    new_logits = _new(graph, "call_function", operator.getitem, (call, 1), like=logits) if with_logits else None
+    _set_fake_values(call, [out, new_logits])
+    output.replace_all_uses_with(out)
+    if new_logits is not None:
+        logits.replace_all_uses_with(new_logits, delete_user_cb=lambda u: u not in region)
+    return call
 
 
 def _set_fake_values(call: fx.Node, outs: list[Optional[fx.Node]]) -> None:

@@ -42,8 +42,8 @@ import torch.fx as fx
 
 from kosmos.passes.moe import (
     _CASTS, _DIVS, KIND, LeftAlone, RouterConfig, _arg, _closed_region, _const, _describe, _dim_last, _dtype,
-    _expert_weight, _new, _NoMatch, _root, _router_linear, _set_fake_values, _shape, _val, _Walk, op_name,
-    planned_impl)
+    _expert_weight, _new, _NoMatch, _root, _router_linear, _shape, _val, _Walk, emit_moe_layer,
+    insertion_point, op_name, planned_impl)
 from kosmos.reporting import PassRecord, record
 
 _GRAPH = "pre-grad"
@@ -78,13 +78,8 @@ class TitanEpMatch:
 
     def replace(self, graph: fx.Graph) -> fx.Node:
         """Inserts cat(w1, w3) and the kosmos::moe_layer call after the last of the inputs; rewires the output."""
-        pos = {n: i for i, n in enumerate(graph.nodes)}
-        anchor = max(self.inputs(), key=pos.__getitem__)
         region = set(self.nodes)
-        early = [u.name for u in self.logits.users if u not in region and pos[u] <= pos[anchor]]
-        if early:
-            raise _NoMatch(f"router logits are used by {early} before all the block's inputs exist")
-        with graph.inserting_before(anchor.next):
+        with graph.inserting_before(insertion_point(graph, self.inputs(), self.logits, region)):
             w1, w3, w2 = (_new(graph, "call_method", "transpose", (w, -2, -1), like=self.output) if t else w
                           for w, t in zip((self.w1, self.w3, self.w2), self.transposed))
             gate_up = _new(graph, "call_function", torch.cat, ([w1, w3], 1), like=self.output)
@@ -92,15 +87,7 @@ class TitanEpMatch:
             args = (self.hidden, self.router_weight, None, None, gate_up, w2, self.router.top_k, self.router.scoring,
                     self.router.norm_topk_prob, 1, 1, self.router.routed_scaling_factor, self.router.router_dtype,
                     "silu", self.with_logits, self.group_name, self.world_size, "all_to_all")
-            call = _new(graph, "call_function", torch.ops.kosmos.moe_layer.default, args, like=self.output)
-            out = _new(graph, "call_function", operator.getitem, (call, 0), like=self.output)
-            logits = _new(graph, "call_function", operator.getitem, (call, 1), like=self.logits) \
-                if self.with_logits else None
-        _set_fake_values(call, [out, logits])
-        self.output.replace_all_uses_with(out)
-        if logits is not None:
-            self.logits.replace_all_uses_with(logits, delete_user_cb=lambda u: u not in region)
-        return call
+            return emit_moe_layer(graph, args, self.output, self.logits, self.with_logits, region)
 
     def erase(self, graph: fx.Graph) -> None:
         pos = {n: i for i, n in enumerate(graph.nodes)}

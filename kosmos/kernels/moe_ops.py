@@ -1,4 +1,5 @@
-"""Plugs the fused MoE forward kernel (kosmos.kernels.moe) into `kosmos::moe_layer` (kosmos.ops.dispatch).
+"""Plugs the fused MoE kernels into `kosmos::moe_layer` (forward: kosmos.kernels.moe) and
+`kosmos::moe_layer_backward` (backward: kosmos.kernels.moe_backward) through kosmos.ops.dispatch.
 
 Opt-in: the kernel has run only under the Triton interpreter so far, so `why_not_moe_layer` refuses every call
 unless env KOSMOS_FUSED_MOE=1 (read at each call). It also refuses, with the reason:
@@ -10,6 +11,8 @@ unless env KOSMOS_FUSED_MOE=1 (read at each call). It also refuses, with the rea
 - more than 256 experts or top_k > 16 (the router tile holds all experts of BT tokens in registers);
 - T == 0; non-contiguous expert weights, hidden / router_weight rows without unit stride, TMA alignment
   (16-byte aligned bases, H and I rows of a multiple of 16 bytes).
+The backward (`why_not_moe_layer_backward`) refuses the same, plus grad_out / grad_router_logits of other
+shapes or dtypes (kosmos.kernels.moe_backward.backward_reason, mirrored here without importing Triton).
 This module imports no Triton (the kernel is imported at the first fused call).
 """
 from __future__ import annotations
@@ -116,5 +119,51 @@ def run_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gat
                        return_router_logits)
 
 
+def _backward_reason(grad_out, grad_router_logits, hidden, gate_up_proj) -> Optional[str]:
+    """kosmos.kernels.moe_backward.backward_reason without importing Triton."""
+    T, H = hidden.shape
+    E = gate_up_proj.shape[0]
+    if tuple(grad_out.shape) != (T, H):
+        return f"grad_out {tuple(grad_out.shape)} is not [T={T}, H={H}]"
+    if grad_out.dtype not in _DTYPES:
+        return f"grad_out dtype {grad_out.dtype}"
+    if grad_router_logits is not None:
+        if tuple(grad_router_logits.shape) != (T, E):
+            return f"grad_router_logits {tuple(grad_router_logits.shape)} is not [T={T}, E={E}]"
+        if grad_router_logits.dtype not in _DTYPES:
+            return f"grad_router_logits dtype {grad_router_logits.dtype}"
+    return None
+
+
+def why_not_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, router_bias,
+                               score_correction_bias, gate_up_proj, down_proj, top_k, scoring, norm_topk_prob,
+                               n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
+                               activation="silu", ep_group_name=None, ep_world_size=1,
+                               ep_mode="all_to_all") -> Optional[str]:
+    if not enabled():
+        return f"fused MoE kernel not yet run on a GPU; set {ENV}=1 to try it"
+    if hidden.device.type != "cuda":
+        return f"{hidden.device.type} tensors"
+    if torch.cuda.get_device_capability(hidden.device)[0] < 9:
+        return "TMA descriptors need compute capability >= 9.0"
+    if ep_group_name is not None:
+        return f"expert parallelism (ep_group_name={ep_group_name!r}, ep_mode={ep_mode!r}) is not fused yet"
+    return (kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
+                          scoring, n_group, topk_group, router_dtype, activation)
+            or _backward_reason(grad_out, grad_router_logits, hidden, gate_up_proj))
+
+
+def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias,
+                           gate_up_proj, down_proj, top_k, scoring, norm_topk_prob, n_group=1, topk_group=1,
+                           routed_scaling_factor=1.0, router_dtype=None, activation="silu", ep_group_name=None,
+                           ep_world_size=1, ep_mode="all_to_all"):
+    from kosmos.kernels.moe_backward import moe_backward
+
+    return moe_backward(grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias,
+                        gate_up_proj, down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group,
+                        routed_scaling_factor, router_dtype, activation)
+
+
 def register() -> None:
     dispatch.register_fused("moe_layer", why_not_moe_layer, run_moe_layer)
+    dispatch.register_fused("moe_layer_backward", why_not_moe_layer_backward, run_moe_layer_backward)

@@ -109,8 +109,8 @@ class TitanEpMoE(nn.Module):
         return out
 
 
-def hf_ep_model(impl: str, mesh, *, seed: int = 0, **overrides):
-    """The tiny Qwen3-MoE proxy (layer 0 dense, layer 1 sparse) with transformers' own expert parallelism
+def hf_ep_model(impl: str, mesh, *, seed: int = 0, family: str = "qwen3_moe", **overrides):
+    """The tiny Qwen3-MoE (or DeepSeek-V3) proxy (layer 0 dense, layer 1 sparse) with transformers' own expert parallelism
     (`ep_implementation=impl`: "all_reduce" or "all_to_all") on layer 1's experts over the 1-D `mesh` (EP group =
     TP group). transformers 5.17 has only the all-reduce form, as the config's `base_model_ep_plan` (EpRouterParallel
     + MoeExpertsParallel) applied by `apply_tensor_parallelism` with `enable_expert_parallel`; None where this
@@ -127,11 +127,11 @@ def hf_ep_model(impl: str, mesh, *, seed: int = 0, **overrides):
             return None
         if impl != "all_reduce":
             return None
-        model = tiny_hf_model("qwen3_moe", seed=seed, **overrides)
+        model = tiny_hf_model(family, seed=seed, **overrides)
         model.config.distributed_config = DistributedConfig(enable_expert_parallel=True, tp_size=mesh.size())
         return apply_tensor_parallelism(model, mesh)
 
-    model = tiny_hf_model("qwen3_moe", seed=seed, **overrides)
+    model = tiny_hf_model(family, seed=seed, **overrides)
     prefix = "model.layers.1.mlp.experts"
     plan = {f"{prefix}.gate_up_proj": "grouped_gemm", f"{prefix}.down_proj": "grouped_gemm", prefix: "ep_dispatch_experts"}
     apply_expert_parallelism(model, mesh, mesh, plan, ep_implementation=impl)

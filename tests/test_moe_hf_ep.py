@@ -32,8 +32,10 @@ def _ids(rank: int) -> torch.Tensor:
     return torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(100 + rank))
 
 
-def _model(world: int):
-    model = hf_ep_model("all_reduce", init_device_mesh("cpu", (world,)), num_experts=2 * world)
+def _model(world: int, family: str = "qwen3_moe"):
+    experts = {"num_experts": 2 * world} if family == "qwen3_moe" else {"n_routed_experts": 2 * world,
+                                                                        "num_key_value_heads": 4}
+    model = hf_ep_model("all_reduce", init_device_mesh("cpu", (world,)), family=family, **experts)
     if model is None:
         pytest.skip("this transformers has no transformers.distributed.expert_parallel")
     return model
@@ -116,8 +118,8 @@ def _loss_grads(model, ids):
     return loss.detach(), {n.removeprefix("_orig_mod."): _local(p.grad).clone() for n, p in model.named_parameters()}
 
 
-def _numerics(rank: int, world: int, same_tokens: bool) -> dict:
-    model = _model(world)
+def _numerics(rank: int, world: int, same_tokens: bool, family: str) -> dict:
+    model = _model(world, family)
     ids = _ids(0 if same_tokens else rank)
     eager_loss, eager_grads = _loss_grads(model, ids)
     torch._dynamo.reset()
@@ -130,13 +132,14 @@ def _numerics(rank: int, world: int, same_tokens: bool) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world,same_tokens", [(2, False), (2, True), (4, True)],
-                         ids=["2-own-tokens", "2-same-tokens", "4-same-tokens"])
-def test_all_reduce_ep_matches_eager_over_gloo(world, same_tokens):
+@pytest.mark.parametrize("family,world,same_tokens", [
+    ("qwen3_moe", 2, False), ("qwen3_moe", 2, True), ("qwen3_moe", 4, True), ("deepseek_v3", 2, False)],
+    ids=["qwen3_moe-2-own-tokens", "qwen3_moe-2-same-tokens", "qwen3_moe-4-same-tokens", "deepseek_v3-2-own-tokens"])
+def test_all_reduce_ep_matches_eager_over_gloo(family, world, same_tokens):
     """Same tokens on every rank is what the form is for; with each rank's own tokens the forward mixes ranks'
     tokens, yet the rewrite still computes what the traced graph does (transformers >= 5.21; 5.17 sums the
     routing weights' gradient twice, which the report says the rewrite takes as one sum)."""
-    for rank, res in enumerate(run_ranks(_numerics, world, same_tokens)):
+    for rank, res in enumerate(run_ranks(_numerics, world, same_tokens, family)):
         (line,) = res["rewritten"]
         assert "replicated tokens" in line, line
         if not same_tokens and "transformers 5.17 form" in line:

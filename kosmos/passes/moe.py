@@ -765,6 +765,8 @@ def _pairs(graph: fx.Graph) -> tuple[list[tuple[fx.Node, fx.Node]], list[LeftAlo
         if op_name(n) in _GROUPED_MM and n.op == "call_function":
             if op_name(n) == "grouped_mm_fallback" and "transformers" not in str(n.target):
                 continue
+            if n.meta.get("kosmos_moe_reported"):  # a block an earlier MoE pass refused and recorded
+                continue
             try:
                 by_offs.setdefault(_arg(n, 2, "offs"), []).append(n)
             except _NoMatch:

@@ -237,7 +237,7 @@ def find_ep_moe_candidates(gm: fx.GraphModule) -> list[EpMoeCandidate]:
     reported here (kosmos.passes.moe handles those)."""
     groups: dict[Any, list[fx.Node]] = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and op_name(n) in _GROUPED_MM:
+        if n.op == "call_function" and op_name(n) in _GROUPED_MM and not n.meta.get("kosmos_moe_reported"):
             key = _offsets(n)
             groups.setdefault(key if isinstance(key, fx.Node) else n, []).append(n)
     resumed = _resumed_after(gm.graph)

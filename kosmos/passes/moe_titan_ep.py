@@ -52,6 +52,7 @@ _A2A = "all_to_all_single"
 _VIEWS = ("view", "reshape")
 _SCALARS = ("item", "_local_scalar_dense")  # what `.tolist()` becomes under capture_scalar_outputs
 _WHAT = "torchtitan-style all-to-all EP MoE"
+REPORTED = "kosmos_moe_reported"  # node.meta key on the grouped GEMMs of a candidate refused (and recorded) here
 
 
 @dataclasses.dataclass
@@ -432,6 +433,8 @@ def find_titan_ep_moe(graph: fx.Graph) -> tuple[list[TitanEpMatch], list[LeftAlo
             _check_symbols(graph, set(m.nodes))
         except _NoMatch as e:
             left.append(LeftAlone(f"{_WHAT}: {e}", tuple(n.name for n in walk.nodes) or tuple(g.name for g in gemms)))
+            for g in gemms:  # this reason is the one that counts: later MoE passes do not report these GEMMs again
+                g.meta[REPORTED] = True
             continue
         m.with_logits = any(u not in set(m.nodes) for u in m.logits.users)
         matches.append(m)

@@ -1,7 +1,7 @@
-"""Small FX editing helpers shared by the rewrites: insertion order, fake-tensor meta, cleanup."""
+"""Small FX editing helpers shared by the rewrites: insertion order, fake-tensor meta, size arguments, cleanup."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.fx as fx
@@ -38,6 +38,57 @@ def hoist_before(node: fx.Node, anchor: fx.Node, pos: dict[fx.Node, int]) -> Non
         hoist_before(inp, anchor, pos)
     anchor.prepend(node)
     pos[node] = pos[anchor] - 0.5
+
+
+def _size_val(node: fx.Node):
+    v = node.meta.get("val")
+    return v if isinstance(v, torch.SymInt) else None
+
+
+def _movable_size_node(node: fx.Node, before: fx.Node, pos: dict[fx.Node, int]) -> bool:
+    """True if `node` precedes `before`, or is SymInt arithmetic on such nodes (so it can be hoisted)."""
+    if pos[node] < pos[before]:
+        return True
+    if node.op != "call_function" or _size_val(node) is None:
+        return False
+    return all(_movable_size_node(i, before, pos) for i in node.all_input_nodes)
+
+
+def size_args(shape, before: fx.Node, pos: dict[fx.Node, int], hoist: bool = False) -> Optional[list]:
+    """Size arguments for a reshape to `shape` inserted before `before`, taken from the graph.
+
+    Static sizes stay ints; each symbolic size becomes a node already in the graph whose value is
+    that same expression (a placeholder, or SymInt arithmetic Inductor kept, hoisted above `before`
+    when `hoist`); a single size no node gives becomes -1. Never a hint: the rewrite must not
+    specialize a symbol. None when more than one size has no node."""
+    from kosmos.passes.layout_probe import size_expr
+
+    wanted = [size_expr(s) for s in shape]
+    if all(isinstance(s, int) for s in wanted):
+        return wanted
+    by_expr: dict = {}
+    for n in before.graph.nodes:
+        v = _size_val(n)
+        if v is not None and n.op in ("placeholder", "call_function"):
+            e = size_expr(v)
+            if not isinstance(e, int) and e not in by_expr and _movable_size_node(n, before, pos):
+                by_expr[e] = n
+    out, unresolved = [], 0
+    for e in wanted:
+        if isinstance(e, int):
+            out.append(e)
+        elif e in by_expr:
+            out.append(by_expr[e])
+        else:
+            unresolved += 1
+            out.append(-1)
+    if unresolved > 1:
+        return None
+    if hoist:
+        for a in out:
+            if isinstance(a, fx.Node):
+                hoist_before(a, before, pos)
+    return out
 
 
 def set_fake_val(node: fx.Node, like: Iterable[fx.Node]) -> None:

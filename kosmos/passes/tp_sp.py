@@ -2,6 +2,13 @@
 
 Matching (`find_*`) is kept apart from rewriting (`*Match.replace`): finders return matches or
 records of why a candidate was left alone; the rewrite step only edits the graph.
+
+Dynamic shapes: token dims (batch, sequence) may be symbolic; the contracted dims and the weights
+must be static. The layout of a symbolic chain is probed at two admissible assignments of the
+symbols and accepted only if both give the same (shape, dim) (layout_probe's docstring says why and
+what that does not prove). Rewrites never specialize: inserted reshapes take symbolic sizes from
+size nodes already in the graph (graph_edit.size_args), and no guard is added: shapes are compared
+as sympy expressions, divisibility is decided structurally, never by evaluating a SymBool.
 """
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ import dataclasses
 import operator
 from typing import Optional, Union
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -19,11 +27,15 @@ from kosmos.passes import graph_edit
 from kosmos.passes.layout_probe import (
     ProbeError,
     Prober,
+    concrete,
+    divisible,
     gathered_order,
     is_layout_node,
     row_ids,
     scattered_order,
-    static_shape,
+    shape_env_of,
+    shape_of,
+    size_assignments,
     tensor_inputs,
     val,
 )
@@ -48,7 +60,8 @@ class AllGatherMatch:
     collective: fx.Node
     waits: list[fx.Node]
     shard: fx.Node  # the all-gather's input
-    shard_shape: list[int]  # the shard viewed so that the gather is a cat along gather_dim
+    shard_view: fx.Node  # the shard or a node it is a view of: the gather is a cat of it along gather_dim
+    shard_shape: list  # shard_view's shape (ints, sympy expressions for symbolic sizes)
     gather_dim: int
     world_size: int
     group_name: str
@@ -65,10 +78,9 @@ class AllGatherMatch:
             for inp in (m.weight, m.bias):
                 if inp is not None:
                     graph_edit.hoist_before(inp, anchor, pos)
+        sizes = {n: graph_edit.size_args(shape_of(n), anchor, pos, hoist=True) for n in self._reshaped()}
         with graph.inserting_before(anchor):
-            a = self.shard
-            if static_shape(a) != self.shard_shape:
-                a = graph_edit.call(graph, aten.reshape.default, (a, self.shard_shape))
+            a = self.shard_view
             if self.cast_to is not None:
                 a = graph_edit.call(graph, _CAST, (a, self.cast_to))
             fused = graph_edit.call(
@@ -89,13 +101,19 @@ class AllGatherMatch:
                 for i in range(len(self.matmuls) + bool(self.served))
             ]
             for m, out in zip(self.matmuls, outs):
-                m.node.replace_all_uses_with(
-                    graph_edit.call(graph, aten.reshape.default, (out, static_shape(m.node)))
-                )
+                m.node.replace_all_uses_with(graph_edit.call(graph, aten.reshape.default, (out, sizes[m.node])))
             for s in self.served:
-                s.replace_all_uses_with(graph_edit.call(graph, aten.reshape.default, (outs[-1], static_shape(s))))
+                s.replace_all_uses_with(graph_edit.call(graph, aten.reshape.default, (outs[-1], sizes[s])))
         graph_edit.erase_unused([m.node for m in self.matmuls] + self.chain[::-1] + self.waits + [self.collective])
         return fused
+
+    def _reshaped(self) -> list[fx.Node]:
+        """Nodes the rewrite replaces by reshapes of the op's outputs."""
+        return [m.node for m in self.matmuls] + list(self.served)
+
+    def anchor(self) -> fx.Node:
+        pos = graph_edit.positions(self.collective.graph)
+        return min([m.node for m in self.matmuls] + [u for s in self.served for u in s.users], key=pos.__getitem__)
 
 
 @dataclasses.dataclass
@@ -107,7 +125,7 @@ class ReduceScatterMatch:
     weights: list[fx.Node]
     bias: Optional[fx.Node]
     out_dtype: Optional[torch.dtype]  # each matmul term is cast to this before the sum
-    full_shape: list[int]  # the summed matmul output viewed so that the scatter is a chunk along scatter_dim
+    full_shape: list  # the summed matmul output viewed so that the scatter is a chunk along scatter_dim
     scatter_dim: int
     reduce_op: str
     world_size: int
@@ -115,10 +133,13 @@ class ReduceScatterMatch:
     chain: list[fx.Node]  # nodes between the matmuls and the collective (views, adds, split/cat)
 
     def replace(self, graph: fx.Graph) -> fx.Node:
-        lead = self.full_shape[:-1]
+        pos = graph_edit.positions(graph)
+        lead, out_shape = self.reshapes()
+        lead = graph_edit.size_args(lead, self.collective, pos, hoist=True)
+        out_sizes = graph_edit.size_args(out_shape, self.collective, pos, hoist=True)
         with graph.inserting_before(self.collective):
             inputs = [
-                graph_edit.call(graph, aten.reshape.default, (x, lead + [static_shape(x)[-1]])) for x in self.inputs
+                graph_edit.call(graph, aten.reshape.default, (x, lead + [shape_of(x)[-1]])) for x in self.inputs
             ]
             fused = graph_edit.call(
                 graph,
@@ -134,11 +155,15 @@ class ReduceScatterMatch:
                     self.out_dtype,
                 ),
             )
-            out = graph_edit.call(graph, aten.reshape.default, (fused, static_shape(self.waits[0])))
+            out = graph_edit.call(graph, aten.reshape.default, (fused, out_sizes))
         for w in self.waits:
             w.replace_all_uses_with(out)
         graph_edit.erase_unused(self.waits + [self.collective] + self.chain[::-1] + self.matmuls)
         return fused
+
+    def reshapes(self) -> tuple[list, list]:
+        """The inputs' leading shape and the output shape the rewrite reshapes to."""
+        return self.full_shape[:-1], shape_of(self.waits[0])
 
 
 @dataclasses.dataclass
@@ -197,24 +222,41 @@ def _chain_from(start: fx.Node, last_dim: int) -> tuple[list[fx.Node], list[fx.N
     return chain, ends
 
 
-def _candidate_shapes(node: fx.Node, last_dim: int) -> list[list[int]]:
-    """The node's shape and the shapes it was reshaped from (where the sharded dim may still be visible)."""
-    shapes, n = [], node
-    while n is not None and static_shape(n) is not None and static_shape(n)[-1] == last_dim:
-        shapes.append(static_shape(n))
+def _candidate_views(node: fx.Node, last_dim: int) -> list[tuple[fx.Node, list]]:
+    """The node and the nodes it is a view of (where the sharded dim may still be visible), with their shapes."""
+    views, n = [], node
+    while n is not None and shape_of(n) is not None and shape_of(n)[-1] == last_dim:
+        views.append((n, shape_of(n)))
         if n.op == "call_function" and n.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
             n = n.args[0]
         else:
             n = None
-    return shapes
+    return views
 
 
-def _find_gather_layout(shapes, world_size, observed: torch.Tensor) -> Optional[tuple[list[int], int]]:
-    for shape in shapes:
+def _find_gather_layout(views, world_size, observed: list[torch.Tensor], envs) -> Optional[tuple[int, int]]:
+    """The first (view index, dim) whose gather order is the observed order at every assignment."""
+    for i, (_, shape) in enumerate(views):
         for dim in range(len(shape) - 1):
-            expected = gathered_order(shape, dim, world_size)
-            if expected.shape == observed.shape and torch.equal(expected, observed):
-                return shape, dim
+            if all(_same(gathered_order([concrete(s, env) for s in shape], dim, world_size), obs)
+                   for env, obs in zip(envs, observed)):
+                return i, dim
+    return None
+
+
+def _same(expected: torch.Tensor, observed: torch.Tensor) -> bool:
+    return expected.shape == observed.shape and torch.equal(expected, observed)
+
+
+def _symbolic(shape) -> list[str]:
+    return [str(s) for s in shape if not isinstance(s, int)]
+
+
+def _static_weights(matmuls) -> Optional[str]:
+    for m in matmuls:
+        for inp in (m.weight, m.bias):
+            if inp is not None and _symbolic(shape_of(inp) or ["?"]):
+                return f"the operand {inp.name} of {m.node.name} has symbolic or unknown shape {shape_of(inp)}"
     return None
 
 
@@ -232,12 +274,14 @@ def find_all_gather(collective: fx.Node) -> Optional[Finding]:
     names = (collective.name,)
     if waits is None:
         return LeftAlone("ag_gemm", "all-gather result is used without wait_tensor", names)
-    shape = static_shape(waits[0])
-    if shape is None or static_shape(shard) is None:
-        return LeftAlone("ag_gemm", "dynamic shapes are not fused", names)
+    shape = shape_of(waits[0])
+    if shape is None or shape_of(shard) is None:
+        return LeftAlone("ag_gemm", "no fake tensor value (shape unknown)", names)
     if len(shape) < 2:
         return LeftAlone("ag_gemm", "1-D all-gather (no rows to feed a matmul)", names)
     k = shape[-1]
+    if not isinstance(k, int):
+        return LeftAlone("ag_gemm", f"the hidden (last) dim of the gathered tensor is symbolic ({k})", names)
     chain, ends = [], []
     for w in waits:
         c, e = _chain_from(w, k)
@@ -255,6 +299,9 @@ def find_all_gather(collective: fx.Node) -> Optional[Finding]:
         for inp in (m.weight, m.bias):
             if inp is not None and graph_edit.depends_on(inp, source, 0, pos):
                 return LeftAlone("ag_gemm", f"the operand {inp.name} of {m.node.name} depends on the gathered tensor", names)
+    bad = _static_weights(matmuls)
+    if bad:
+        return LeftAlone("ag_gemm", bad, names)
     dtype = val(rows).dtype
     if dtype not in _SUPPORTED_DTYPES:
         return LeftAlone("ag_gemm", f"unsupported dtype {dtype}", names)
@@ -265,25 +312,39 @@ def find_all_gather(collective: fx.Node) -> Optional[Finding]:
         return LeftAlone("ag_gemm", "several dtype casts between gather and matmul", names)
     matmul_nodes = {m.node for m in matmuls}
     served = [e for e in dict.fromkeys(ends) if any(u not in matmul_nodes for u in e.users)]
+    views = _candidate_views(shard, k)
+    ends = list(dict.fromkeys([r for r, _ in uses] + served))
+    for e in ends:
+        if val(e).dtype != dtype:
+            return LeftAlone("ag_gemm", f"gathered tensor is also used as {val(e).dtype} ({e.name})", names)
+    sizes = shape + [s for _, v in views for s in v] + [s for e in ends for s in shape_of(e)]
     try:
-        prober = Prober(k)
-        for w in waits:
-            prober.seed(w, row_ids(shape[:-1]))
-        observed = prober.run(rows).flatten()
-        for e in dict.fromkeys([r for r, _ in uses] + served):
-            if val(e).dtype != dtype:
-                return LeftAlone("ag_gemm", f"gathered tensor is also used as {val(e).dtype} ({e.name})", names)
-            if not torch.equal(prober.run(e).flatten(), observed):
-                return LeftAlone("ag_gemm", f"{e.name} uses the gathered rows in another order than {rows.name}", names)
+        envs = size_assignments(sizes, world_size, shape_env_of([waits[0], shard]))
+        observed = []
+        for env in envs:
+            prober = Prober(k, env)
+            for w in waits:
+                prober.seed(w, row_ids([concrete(s, env) for s in shape[:-1]]))
+            observed.append(prober.run(rows).flatten())
+            for e in ends:
+                if not torch.equal(prober.run(e).flatten(), observed[-1]):
+                    return LeftAlone("ag_gemm", f"{e.name} uses the gathered rows in another order than {rows.name}", names)
     except ProbeError as e:
         return LeftAlone("ag_gemm", str(e), names)
-    layout = _find_gather_layout(_candidate_shapes(shard, k), world_size, observed)
+    layout = _find_gather_layout(views, world_size, observed, envs)
     if layout is None:
-        return LeftAlone("ag_gemm", "the matmul reads the gathered rows in an order that is no gather along a dim", names)
-    return AllGatherMatch(
-        collective, waits, shard, layout[0], layout[1], world_size, group_name, chain, matmuls, served,
+        why = " (at the hints and at a second admissible size)" if len(envs) > 1 else ""
+        return LeftAlone("ag_gemm", f"the matmul reads the gathered rows in an order that is no gather along a dim{why}", names)
+    view, view_shape = views[layout[0]]
+    match = AllGatherMatch(
+        collective, waits, shard, view, view_shape, layout[1], world_size, group_name, chain, matmuls, served,
         dtype if casts else None,
     )
+    pos = graph_edit.positions(collective.graph)
+    for n in match._reshaped():
+        if graph_edit.size_args(shape_of(n), match.anchor(), pos) is None:
+            return LeftAlone("ag_gemm", f"no size nodes in the graph give the symbolic shape {shape_of(n)} of {n.name}", names)
+    return match
 
 
 @dataclasses.dataclass
@@ -315,7 +376,7 @@ def _sum_terms(node: fx.Node, chain: list[fx.Node], cast=None) -> Optional[list[
         inp, a, w = node.args
         if val(inp) is not None and val(inp).dim() == 1:
             return [_Term(node, a, w, inp, cast)]
-        if static_shape(inp) == static_shape(node) and cast is None:
+        if shape_of(inp) == shape_of(node) and cast is None:
             rest = _sum_terms(inp, chain)
             return None if rest is None else [_Term(node, a, w, None, None)] + rest
         return None
@@ -326,7 +387,7 @@ def _sum_terms(node: fx.Node, chain: list[fx.Node], cast=None) -> Optional[list[
         chain.append(node)
         return _sum_terms(node.args[0], chain, node.args[1])
     if t is aten.add.Tensor and cast is None and not node.kwargs and all(isinstance(a, fx.Node) for a in node.args):
-        if static_shape(node.args[0]) != static_shape(node.args[1]):
+        if shape_of(node.args[0]) != shape_of(node.args[1]):
             return None
         chain.append(node)
         parts = [_sum_terms(a, chain) for a in node.args]
@@ -340,12 +401,14 @@ def find_reduce_scatter(collective: fx.Node) -> Optional[Finding]:
     names = (collective.name,)
     if waits is None:
         return LeftAlone("gemm_rs", "reduce-scatter result is used without wait_tensor", names)
-    shape = static_shape(x)
-    if shape is None or static_shape(waits[0]) is None:
-        return LeftAlone("gemm_rs", "dynamic shapes are not fused", names)
+    shape = shape_of(x)
+    if shape is None or shape_of(waits[0]) is None:
+        return LeftAlone("gemm_rs", "no fake tensor value (shape unknown)", names)
     if reduce_op not in ("sum", "avg"):
         return LeftAlone("gemm_rs", f"reduce op {reduce_op!r} is not sum/avg", names)
     n = shape[-1]
+    if not isinstance(n, int):
+        return LeftAlone("gemm_rs", f"the hidden (last) dim of the reduce-scattered tensor is symbolic ({n})", names)
     # walk up through layout nodes to the node that sums matmul outputs
     chain, frontier, root = [], [x], None
     while frontier:
@@ -380,29 +443,44 @@ def find_reduce_scatter(collective: fx.Node) -> Optional[Finding]:
     dtypes = {val(x).dtype for x in inputs + weights}
     if len(dtypes) > 1 or not dtypes <= set(_SUPPORTED_DTYPES):
         return LeftAlone("gemm_rs", f"unsupported or mixed dtypes {sorted(map(str, dtypes))}", names)
-    root_shape = static_shape(root)
-    mm_rows = static_shape(matmuls[0])[0]
+    for t in terms:
+        for inp in (t.weight, t.bias):
+            if inp is not None and _symbolic(shape_of(inp) or ["?"]):
+                return LeftAlone("gemm_rs", f"the operand {inp.name} of {t.matmul.name} has symbolic or unknown shape {shape_of(inp)}", names)
+        if not isinstance(shape_of(t.input)[-1], int):
+            return LeftAlone("gemm_rs", f"the contracted dim of {t.matmul.name} is symbolic ({shape_of(t.input)[-1]})", names)
+    root_shape = shape_of(root)
+    mm_rows = shape_of(matmuls[0])[0]
+    candidates = [s for s in [shape_of(c) for c in chain if c.target is not operator.getitem] if s and s[-1] == n]
+    candidates = [root_shape] + candidates + [[mm_rows, n]]
     try:
-        prober = Prober(n)
-        prober.seed(root, row_ids(root_shape[:-1]))
-        observed = prober.run(x).flatten()
+        envs = size_assignments([s for c in candidates for s in c] + shape_of(waits[0]), world_size, shape_env_of([x, root]))
+        observed = []
+        for env in envs:
+            prober = Prober(n, env)
+            prober.seed(root, row_ids([concrete(s, env) for s in root_shape[:-1]]))
+            observed.append(prober.run(x).flatten())
     except ProbeError as e:
         return LeftAlone("gemm_rs", str(e), names)
-    candidates = [s for s in [static_shape(c) for c in chain if c.target is not operator.getitem] if s and s[-1] == n]
-    candidates = [root_shape] + candidates + [[mm_rows, n]]
+    pos = graph_edit.positions(collective.graph)
     for full in candidates:
-        if _numel(full) != _numel(root_shape):
+        if sympy.expand(_numel(full) - _numel(root_shape)) != 0:
             continue
         for dim in range(len(full) - 1):
-            if full[dim] % world_size:
-                continue
-            expected = scattered_order(full, dim, world_size)
-            if expected.shape == observed.shape and torch.equal(expected, observed):
-                return ReduceScatterMatch(
+            if not divisible(full[dim], world_size):
+                continue  # (a symbolic size counts only if it divides for every value of its symbols)
+            if all(_same(scattered_order([concrete(s, env) for s in full], dim, world_size), obs)
+                   for env, obs in zip(envs, observed)):
+                match = ReduceScatterMatch(
                     collective, waits, matmuls, inputs, weights, biased[0].bias if biased else None,
                     casts.pop(), full, dim, reduce_op, world_size, group_name, chain + sum_chain,
                 )
-    return LeftAlone("gemm_rs", "the matmul output reaches the reduce-scatter in an order that is no chunking", names)
+                for shp in match.reshapes():
+                    if graph_edit.size_args(shp, collective, pos) is None:
+                        return LeftAlone("gemm_rs", f"no size nodes in the graph give the symbolic shape {shp}", names)
+                return match
+    why = " (at the hints and at a second admissible size)" if len(envs) > 1 else ""
+    return LeftAlone("gemm_rs", f"the matmul output reaches the reduce-scatter in an order that is no chunking{why}", names)
 
 
 def _numel(shape):
@@ -422,7 +500,7 @@ def find_all_reduce(collective: fx.Node) -> Optional[Finding]:
             "all_reduce",
             "candidate not yet fused: mm -> all_reduce (TP without sequence parallelism)",
             (x.name, collective.name),
-            {"out": static_shape(x)},
+            {"out": _printable(shape_of(x))},
         )
     return None
 
@@ -445,26 +523,37 @@ def find(collective: fx.Node) -> Optional[Finding]:
 # ---------------------------------------------------------------------------------------- rewriting
 
 
+def _printable(shape):
+    """A shape for the report: ints, and strings for symbolic sizes (no SymInt leaves the pass)."""
+    return None if shape is None else [s if isinstance(s, int) else str(s) for s in shape]
+
+
 def _record_rewrite(kind: str, graph_name: str, fused: fx.Node, match) -> None:
     args = fused.args
+    symbolic = False
     if kind == "ag_gemm":
         a, device = val(args[0]), val(args[0]).device
-        shapes = {"shard": list(a.shape), "gather_dim": args[3], "world": args[4]}
+        shapes = {"shard": _printable(shape_of(args[0])), "gather_dim": args[3], "world": args[4]}
         shapes["weights"] = [list(val(w).shape) for w in args[1]]
-        why = dispatch.why_reference("ag_gemm", device, a, [val(w) for w in args[1]], [val(b) if b else None for b in args[2]], *args[3:])
+        symbolic = bool(_symbolic(shape_of(args[0]))) and device.type == "cuda"  # the shape checks would guard
+        why = None if symbolic else dispatch.why_reference(
+            "ag_gemm", device, a, [val(w) for w in args[1]], [val(b) if b else None for b in args[2]], *args[3:])
         reason = f"all_gather -> {len(args[1])} matmul(s)" + (" + gathered tensor reused" if args[6] else "")
         if match.cast_to is not None:
             reason += f", cast to {match.cast_to} moved before the gather"
     else:
         xs = [val(x) for x in args[0]]
         device = xs[0].device
-        shapes = {"inputs": [list(x.shape) for x in xs], "scatter_dim": args[3], "world": args[5]}
-        why = dispatch.why_reference("gemm_rs", device, xs, [val(w) for w in args[1]], val(args[2]) if args[2] else None, *args[3:])
+        shapes = {"inputs": [_printable(shape_of(x)) for x in args[0]], "scatter_dim": args[3], "world": args[5]}
+        symbolic = any(_symbolic(shape_of(x)) for x in args[0]) and device.type == "cuda"
+        why = None if symbolic else dispatch.why_reference(
+            "gemm_rs", device, xs, [val(w) for w in args[1]], val(args[2]) if args[2] else None, *args[3:])
         reason = f"{len(xs)} matmul(s) -> reduce_scatter({args[4]})"
     record(
         PassRecord(
             kind, graph_name, True, reason, (match.collective.name,), shapes,
-            impl="reference" if why else "fused", impl_reason=why or "supported",
+            impl="per call" if symbolic else "reference" if why else "fused",
+            impl_reason="symbolic shapes: each call picks the fused or reference impl" if symbolic else why or "supported",
         )
     )
 

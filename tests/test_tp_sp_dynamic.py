@@ -291,3 +291,31 @@ if __name__ == "__main__":
     from torch.testing._internal.common_utils import run_tests
 
     run_tests()
+
+
+def test_hf_qwen3_sequence_dynamic():
+    """Unmodified HF Qwen3 under kosmos.parallelize with the sequence dim symbolic (what automatic dynamic shapes
+    do when lengths vary): every forward and backward gather/scatter next to a matmul is fused. The backward's
+    reduce-scatters after the split into W chunks need the shape env's guard Mod(seq, W) == 0 to see that the
+    chunks are equal."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from test_tp_sp_hf import tiny_qwen3
+
+    with fake_world(4):
+        model = kosmos.parallelize(tiny_qwen3(), init_device_mesh("cpu", (4,)))
+        ids = torch.randint(0, 128, (2, 16))
+        torch._dynamo.mark_dynamic(ids, 1)
+        torch._dynamo.reset()
+        kosmos.reset_report()
+        cap = _Capture()
+        with torch._inductor.config.patch(post_grad_custom_post_pass=cap, fx_graph_cache=False):
+            out = torch.compile(lambda i: model(input_ids=i).logits, backend="kosmos")(ids)
+            (out.to_local() if hasattr(out, "to_local") else out).float().sum().backward()
+    fwd, bwd = ([c for c in cap.captured if post_grad.graph_kind(c.graph) == k][0] for k in ("forward", "backward"))
+    assert (count_ops(fwd.code, "ag_gemm"), count_ops(fwd.code, "gemm_rs")) == (5, 4)
+    # static shapes give 5 reduce-scatters in backward; with a symbolic sequence one of them is traced as an
+    # mm -> all_reduce (reported as a candidate, not fused)
+    assert (count_ops(bwd.code, "ag_gemm"), count_ops(bwd.code, "gemm_rs")) == (4, 4)
+    assert unfused_pairs(fwd.graph) + unfused_pairs(bwd.graph) == []
+    assert not [r for r in kosmos.report().left_alone if "symbolic" in r.reason or "admissible" in r.reason]

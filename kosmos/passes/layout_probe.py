@@ -101,11 +101,19 @@ def is_static(node) -> bool:
     return static_shape(node) is not None
 
 
-def divisible(size: Size, k: int) -> bool:
-    """True if `size` is a multiple of k for every value of its symbols (decided without a guard)."""
+def divisible(size: Size, k: int, shape_env=None) -> bool:
+    """True if `size` is a multiple of k for every value of its symbols (decided without a guard): structurally,
+    or by a divisibility the shape env already guards (e.g. Mod(s0, 4) from a split that must be even)."""
     if isinstance(size, int):
         return size % k == 0
-    return sympy.Mod(size, k) == 0
+    if sympy.Mod(size, k) == 0:
+        return True
+    from torch.utils._sympy.functions import Mod  # the shape env's own Mod (not sympy's) keys its facts
+
+    if shape_env is None:
+        return False
+    mod = Mod(size, k)
+    return mod in shape_env.divisible or shape_env.simplify(mod) == 0
 
 
 def shape_env_of(nodes) -> Optional[object]:

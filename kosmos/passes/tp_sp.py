@@ -467,8 +467,8 @@ def find_reduce_scatter(collective: fx.Node) -> Optional[Finding]:
         if sympy.expand(_numel(full) - _numel(root_shape)) != 0:
             continue
         for dim in range(len(full) - 1):
-            if not divisible(full[dim], world_size):
-                continue  # (a symbolic size counts only if it divides for every value of its symbols)
+            if not divisible(full[dim], world_size, shape_env_of([x, root])):
+                continue  # (a symbolic size counts only if it divides for every value the graph admits)
             if all(_same(scattered_order([concrete(s, env) for s in full], dim, world_size), obs)
                    for env, obs in zip(envs, observed)):
                 match = ReduceScatterMatch(

@@ -15,6 +15,7 @@ difference; the exit status is 1 when that is above --tol.
 from __future__ import annotations
 
 import argparse
+import multiprocessing.util
 import os
 import sys
 import tempfile
@@ -98,6 +99,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace, store_path:
         dist.destroy_process_group()
     # torch 2.13's static destructors now and then abort a finished gloo rank at interpreter exit
     # ("terminate called without an active exception"); the work is saved, so leave without them.
+    multiprocessing.util._exit_function()  # multiprocessing's own exit handlers (semaphores, queues)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -11,6 +11,7 @@ that rank's traceback. `fn` must be importable by name (a module-level function)
 from __future__ import annotations
 
 import faulthandler
+import multiprocessing.util
 import os
 import sys
 import tempfile
@@ -39,6 +40,7 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
         dist.destroy_process_group()
     # Skip interpreter teardown: about 1 run in 15, torch 2.13's static destructors abort there
     # ("terminate called without an active exception", no Python frame) after the work is done.
+    multiprocessing.util._exit_function()  # multiprocessing's own exit handlers (semaphores, queues)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

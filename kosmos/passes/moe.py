@@ -845,6 +845,20 @@ def find_moe_layers(graph: fx.Graph) -> tuple[list[MoeLayerMatch], list[LeftAlon
     return matches, left, claimed
 
 
+def _reaches_reported_gemm(topk: fx.Node, limit: int = 200) -> bool:
+    """The top-k's data reaches, within `limit` nodes, a grouped GEMM an earlier MoE pass refused and recorded."""
+    seen, frontier = {topk}, [topk]
+    while frontier and len(seen) < limit:
+        n = frontier.pop(0)
+        if n.meta.get("kosmos_moe_reported"):
+            return True
+        for u in n.users:
+            if u not in seen:
+                seen.add(u)
+                frontier.append(u)
+    return False
+
+
 def find_unmatched_routers(graph: fx.Graph, claimed: set[fx.Node]) -> list[LeftAlone]:
     """Routers (2-D linear -> softmax/sigmoid -> ... -> topk) whose top-k no grouped GEMM pair claimed: their
     experts are not in HF's grouped_mm form (experts_implementation 'eager' or 'batched_mm', or own MoE code)."""
@@ -861,6 +875,8 @@ def find_unmatched_routers(graph: fx.Graph, claimed: set[fx.Node]) -> list[LeftA
         if found is None or not any(op_name(x) in ("softmax", "sigmoid") for x in seen) or seen & claimed:
             continue
         if any(op_name(x) == "moe_experts" for x in seen):  # experts_implementation="kosmos": already one kosmos call
+            continue
+        if _reaches_reported_gemm(found):  # an earlier MoE pass refused this block and said why
             continue
         left.append(LeftAlone(
             f"router {n.name} -> {found.name} without HF grouped_mm experts (the experts implementation is not "

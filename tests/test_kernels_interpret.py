@@ -252,6 +252,19 @@ def _threaded_interpreter():
     interp.InterpreterBuilder.grid_idx = prop("grid_idx")
     interp.InterpreterBuilder.grid_dim = prop("grid_dim")
     interp._LangPatchScope.restore = lambda self: None
+    # the interpreter's atomics are numpy read-modify-writes: a thread switch between the read and the write
+    # loses a peer's flag store (e.g. an acquire spin's atomic_add(flag, 0) writing back the old value), and the
+    # waiting rank then spins forever (seen once in CI: the threads subprocess hung for 300 s). One lock makes
+    # each atomic whole, as on the GPU.
+    lock = threading.Lock()
+    for name in ("create_atomic_rmw", "create_atomic_cas"):
+        original = getattr(interp.InterpreterBuilder, name)
+
+        def locked(self, *args, _original=original, **kwargs):
+            with lock:
+                return _original(self, *args, **kwargs)
+
+        setattr(interp.InterpreterBuilder, name, locked)
     sys.setswitchinterval(0.0005)  # a spinning rank hands the GIL over sooner
 
 

@@ -602,6 +602,19 @@ def _router_linear(walk: _Walk, logits: fx.Node) -> tuple[fx.Node, fx.Node, Opti
     return h, w, b, rd
 
 
+def strip_renorm(walk: _Walk, weights: Any) -> tuple[Any, bool]:
+    """weights = values / values.sum(-1, keepdim=True) -> (values, True); anything else -> (weights, False)."""
+    if op_name(weights) not in _DIVS:
+        return weights, False
+    walk.call(weights, _DIVS, "router renormalisation")
+    values, denom = weights.args
+    walk.call(denom, ("sum",), "router renormalisation sum")
+    if denom.args[0] is not values or not _arg(denom, 2, "keepdim", False):
+        raise _NoMatch(f"{denom.name}: expected top-k values .sum(-1, keepdim=True)")
+    _dim_last(denom, 1, 2, "router renormalisation sum")
+    return values, True
+
+
 def _match_softmax_router(walk: _Walk, ex: _Experts):
     """Qwen3-MoE / Mixtral: probs = softmax(linear(h, W), -1, fp32); v, i = topk(probs, k); v /= v.sum(-1); v.to(dt)."""
     topk = walk.getitem(ex.topk_ids, 1, "router top-k ids")
@@ -615,21 +628,14 @@ def _match_softmax_router(walk: _Walk, ex: _Experts):
         raise _NoMatch(f"{probs.name}: router softmax in {_dtype(probs)}, expected float32")
     logits = probs.args[0]
     h, w, b, rd = _router_linear(walk, logits)
-    weights, norm = ex.topk_weights, False
+    weights = ex.topk_weights
     if op_name(weights) in _CASTS:
         if _dtype(weights) != _dtype(logits):
             raise _NoMatch(f"{weights.name}: routing weights cast to {_dtype(weights)}, not the logits' {_dtype(logits)}")
         weights = walk.strip(weights, _CASTS)
     elif _dtype(weights) != _dtype(logits):
         raise _NoMatch(f"{weights.name}: routing weights in {_dtype(weights)}, not the logits' {_dtype(logits)}")
-    if op_name(weights) in _DIVS:
-        walk.call(weights, _DIVS, "router renormalisation")
-        values, denom = weights.args
-        walk.call(denom, ("sum",), "router renormalisation sum")
-        if denom.args[0] is not values or not _arg(denom, 2, "keepdim", False):
-            raise _NoMatch(f"{denom.name}: expected top-k values .sum(-1, keepdim=True)")
-        _dim_last(denom, 1, 2, "router renormalisation sum")
-        weights, norm = values, True
+    weights, norm = strip_renorm(walk, weights)
     if walk.getitem(weights, 0, "router top-k values") is not topk:
         raise _NoMatch(f"{weights.name}: routing weights are not the top-k values")
     return logits, h, w, b, None, RouterConfig(ex.top_k, "softmax", norm, router_dtype=rd)

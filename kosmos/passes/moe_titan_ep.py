@@ -43,7 +43,7 @@ import torch.fx as fx
 from kosmos.passes.moe import (
     _CASTS, _DIVS, KIND, LeftAlone, RouterConfig, _arg, _closed_region, _const, _describe, _dim_last, _dtype,
     _expert_weight, _new, _NoMatch, _root, _router_linear, _shape, _val, _Walk, emit_moe_layer,
-    insertion_point, op_name, planned_impl)
+    insertion_point, op_name, planned_impl, strip_renorm)
 from kosmos.reporting import PassRecord, record
 
 _GRAPH = "pre-grad"
@@ -180,21 +180,14 @@ def _fold_weights(walk: _Walk, column: Any, topk: fx.Node, logits: fx.Node) -> t
     _dim_last(node, 1, 3, "routing weight column")
     weights = walk.strip(node.args[0], _CASTS)
     scores_dtype = _dtype(weights)
-    scale, norm = 1.0, False
+    scale = 1.0
     if op_name(weights) == "mul":
         walk.call(weights, ("mul",), "route scale")
         a, c = weights.args
         if not isinstance(a, (int, float)) and not isinstance(c, (int, float)):
             raise _NoMatch(f"{weights.name}: the route scale is not a Python constant")
         weights, scale = (a, float(c)) if isinstance(c, (int, float)) else (c, float(a))
-    if op_name(weights) in _DIVS:
-        walk.call(weights, _DIVS, "router renormalisation")
-        values, denom = weights.args
-        walk.call(denom, ("sum",), "router renormalisation sum")
-        if denom.args[0] is not values or not _arg(denom, 2, "keepdim", False):
-            raise _NoMatch(f"{denom.name}: expected top-k values .sum(-1, keepdim=True)")
-        _dim_last(denom, 1, 2, "router renormalisation sum")
-        weights, norm = values, True
+    weights, norm = strip_renorm(walk, weights)
     if walk.getitem(weights, 0, "router top-k values") is not topk:
         raise _NoMatch(f"{_describe(weights)}: routing weights are not the top-k values (or a renormalisation / "
                        "constant scaling of them)")

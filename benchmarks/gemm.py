@@ -3,9 +3,11 @@ Llama-3-70B and Qwen3-32B, M (tokens) in {4096, 8192, 16384, 32768}.
 
     PYTHONPATH=. python3 benchmarks/gemm.py                  # the table's config per shape
     PYTHONPATH=. python3 benchmarks/gemm.py --sweep          # candidate configs side by side (to choose the table)
+    PYTHONPATH=. python3 benchmarks/gemm.py --timing eager   # Python-launched calls (launch cost included)
 
 Each shape: random inputs, correctness of every kernel against an fp32 (no TF32) reference first, then
-rounds of triton.testing.do_bench medians (L2 flushed between runs), each round timing cuBLAS then every
+rounds of timings (default: device time from CUDA-graph replays, L2 flushed between calls; --timing eager:
+triton.testing.do_bench medians of Python-launched calls), each round timing cuBLAS then every
 kernel, plus a closing cuBLAS timing; a kernel's time is the median over its rounds. Ratio = cuBLAS time /
 kosmos time (> 1: faster). The spread of cuBLAS's own timings (max/min - 1) says how much is noise.
 """
@@ -46,7 +48,43 @@ def rel_err(out, ref):
 
 
 def bench(fn, args):
+    if args.timing == "graph":
+        return bench_graph(fn)
     return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
+
+
+_FLUSH = None
+
+
+def bench_graph(fn, calls: int = 20, replays: int = 7) -> float:
+    """Device time of one fn() in ms, launch cost excluded: a CUDA graph of `calls` x (L2 flush, fn) and one of
+    `calls` x (L2 flush) are each replayed `replays` times; median difference / calls."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    fn()  # warm: compile, caches
+    torch.cuda.synchronize()
+    times = {}
+    for with_fn in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                _FLUSH.zero_()
+                if with_fn:
+                    fn()
+        g.replay()
+        torch.cuda.synchronize()
+        ms = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            ms.append(start.elapsed_time(end))
+        times[with_fn] = statistics.median(ms)
+        del g
+    return (times[True] - times[False]) / calls
 
 
 def main():
@@ -60,6 +98,9 @@ def main():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--layout", default="weight", choices=["weight", "kn"],
                    help="B as w.t() of a [N, K] weight (default) or a row-major [K, N] tensor")
+    p.add_argument("--timing", default="graph", choices=["graph", "eager"],
+                   help="graph: device time from CUDA-graph replays (launch cost excluded, L2 flushed between "
+                        "calls); eager: triton do_bench of Python-launched calls (launch cost included)")
     p.add_argument("--warmup", type=int, default=10, help="do_bench warmup, ms")
     p.add_argument("--rep", type=int, default=80, help="do_bench repetition time, ms")
     p.add_argument("--rounds", type=int, default=None,
@@ -76,8 +117,10 @@ def main():
     else:
         names = ["table"]
     dev = torch.cuda.get_device_name()
+    how = ("CUDA-graph replays (20 calls x 7 replays, L2 flushed, median)" if args.timing == "graph" else
+           f"do_bench warmup={args.warmup}ms rep={args.rep}ms median")
     print(f"# {dev}, torch {torch.__version__}, triton {triton.__version__}, {args.dtype}, B={args.layout}, "
-          f"do_bench warmup={args.warmup}ms rep={args.rep}ms median, {args.rounds} rounds", flush=True)
+          f"{how}, {args.rounds} rounds", flush=True)
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -153,8 +196,8 @@ def main():
 def dump(args, dev, rows, summary):
     with open(args.json, "w") as f:
         json.dump(dict(device=dev, torch=torch.__version__, triton=triton.__version__, dtype=args.dtype,
-                       layout=args.layout, rounds=args.rounds, warmup=args.warmup, rep=args.rep, rows=rows,
-                       summary=summary), f, indent=1)
+                       timing=args.timing, layout=args.layout, rounds=args.rounds, warmup=args.warmup,
+                       rep=args.rep, rows=rows, summary=summary), f, indent=1)
 
 
 def print_row(row, names, sweep):

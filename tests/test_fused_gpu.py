@@ -542,7 +542,7 @@ def test_ops_dim1_fused_or_reference_with_reason(nccl_group, monkeypatch):
     import kosmos
     from kosmos.kernels import fused_ops
 
-    monkeypatch.setattr(fused_ops, "REMAP_ROWS", True)  # off by default until validated on a GPU
+    monkeypatch.setattr(fused_ops, "REMAP_ROWS", True)  # whatever KOSMOS_REMAP_ROWS says in this environment
     g = _gen(52)
     w = torch.randn(264, 256, device="cuda", generator=g).to(torch.bfloat16)
     b = torch.randn(264, device="cuda", generator=g).to(torch.bfloat16)

@@ -120,6 +120,10 @@ def test_stream_k_tail(M, N, K):
         assert torch.equal(out, run_poisoned(a, b, c, stream_k=True, num_programs=programs))
     plain = run_poisoned(a, b, c, stream_k=False)
     assert rel_err(plain, reference(a, b, c)) <= 1e-2
+    torch.cuda.synchronize()
+    from kosmos.kernels.gemm import stream_k_counters
+
+    assert int(stream_k_counters(a.device, 1).abs().sum()) == 0  # the last contributor of each tile reset it
 
 
 def test_clear_errors():

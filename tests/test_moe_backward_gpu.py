@@ -206,6 +206,11 @@ def test_cuda_graph_replay_with_changing_inputs():
             assert torch.equal(a, b), (name, step)
 
 
+# (experts, top-k) pairs the tests above compile already: each new pair is a new kernel specialization, and
+# compiling dozens of them would take the test's time away from launching (T, grid and routing vary per launch)
+LAUNCH_SHAPES = [(8, 2), (16, 4), (64, 8), (8, 1), (16, 2)]
+
+
 def test_many_launches_no_hang():
     import random
 
@@ -214,8 +219,7 @@ def test_many_launches_no_hang():
     rng = random.Random(0)
     for i in range(200):
         T = rng.randint(1, 600)
-        E = rng.choice([4, 8, 16, 64, 128])
-        k = rng.randint(1, min(8, E))
+        E, k = rng.choice(LAUNCH_SHAPES)
         h, rw, gu, d, go = make(T, 128, 64, E, torch.bfloat16, seed=i)
         grads = moe_backward(go, None, h, rw, None, None, gu, d, k, programs=rng.choice([None, 1, 7, 33]))
         assert all(torch.isfinite(g).all() for g in grads), i
@@ -249,22 +253,22 @@ def test_compiled_tiny_qwen3_moe_training_step_runs_fused(monkeypatch):
     monkeypatch.setenv("KOSMOS_FUSED_MOE", "1")
     ids = token_ids().cuda()
 
-    def step(model):
-        model.zero_grad(set_to_none=True)
+    def step(model, params):
+        params.zero_grad(set_to_none=True)
         logits = model(ids).logits.float()
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                  ids[:, 1:].reshape(-1))
         loss.backward()
-        return loss.detach(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+        return loss.detach(), {n: p.grad.detach().float().clone() for n, p in params.named_parameters()
                                if p.grad is not None}
 
     eager_model = tiny_qwen3_moe(torch.float32).cuda().train()
-    eager_loss, eager_grads = step(eager_model)
+    eager_loss, eager_grads = step(eager_model, eager_model)
     model = tiny_qwen3_moe(torch.float32).cuda().train()  # the same seed: the same weights
     torch._dynamo.reset()
     kosmos.reset_report()
     compiled = torch.compile(model, backend="kosmos")
-    loss, grads = step(compiled)
+    loss, grads = step(compiled, model)  # names from the module itself (the compiled one adds _orig_mod.)
     runs = kosmos.report().runtime
     fwd = {k for k in runs if k[0] == "moe_layer"}
     bwd = {k for k in runs if k[0] == "moe_layer_backward"}

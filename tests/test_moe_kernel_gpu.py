@@ -170,6 +170,11 @@ def test_cuda_graph_replay_with_changing_inputs():
         assert rel_err(g_out, ref) <= 3e-2, step  # reference routing: a near-tie may flip a row
 
 
+# (experts, top-k) pairs the tests above compile already: each new pair is a new kernel specialization, and
+# compiling dozens of them would take the test's time away from launching (T, grid and routing vary per launch)
+LAUNCH_SHAPES = [(8, 2), (16, 4), (64, 8), (8, 1), (16, 2)]
+
+
 def test_many_launches_no_hang():
     import random
 
@@ -178,8 +183,7 @@ def test_many_launches_no_hang():
     rng = random.Random(0)
     for i in range(200):
         T = rng.randint(1, 600)
-        E = rng.choice([4, 8, 16, 64, 128])
-        k = rng.randint(1, min(8, E))
+        E, k = rng.choice(LAUNCH_SHAPES)
         h, rw, gu, d = make(T, 128, 64, E, torch.bfloat16, seed=i)
         out = moe_forward(h, rw, None, None, gu, d, k, programs=rng.choice([None, 1, 7, 33]))[0]
         assert torch.isfinite(out).all(), i

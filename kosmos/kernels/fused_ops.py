@@ -5,7 +5,7 @@ when the fused kernel runs:
 - dtype other than bfloat16/float16, out_dtype other than the input's;
 - gather_dim / scatter_dim > 0 with B >= 2 batch entries (everything before the dim; s = rows per entry,
   everything from the dim on, per rank for AG, per output chunk for RS) when s is not a multiple of the
-  tile (128 rows, or 64 with the smaller tile), or when REMAP_ROWS is off. Otherwise the kernels remap rows
+  tile (128 rows, or 64 with the smaller tile), or when REMAP_ROWS is switched off. Otherwise the kernels remap rows
   (gathered / input row b*W*s + r*s + i): fused, no copy. B == 1 is the dim-0 layout;
 - strides or base addresses that TMA cannot take (16-byte alignment), layouts other than row-major input
   and row-major / transposed-view weights, weights of mixed layouts, more than 4 weights (pairs);
@@ -26,11 +26,10 @@ from kosmos.kernels import moe_ops
 from kosmos.ops import dispatch
 
 MIN_ROWS = 128
-# Gathers / scatters along a dim > 0 with B >= 2 batch entries can run fused by row remapping in the kernels.
-# Off by default until its GPU tests (tests/test_fused_gpu.py -k dim1) have passed on a GPU: so far they ran
-# only under the Triton interpreter. KOSMOS_REMAP_ROWS=1 (or setting this to True) switches it on; the
-# dim-0 path does not depend on it.
-REMAP_ROWS = os.environ.get("KOSMOS_REMAP_ROWS", "0") == "1"
+# Gathers / scatters along a dim > 0 with B >= 2 batch entries run fused by row remapping in the kernels
+# (tests/test_fused_gpu.py -k dim1 passed on an H200, 2026-11-29). KOSMOS_REMAP_ROWS=0 (or setting this to
+# False) sends those calls to the reference path, with that reason; the dim-0 path does not depend on it.
+REMAP_ROWS = os.environ.get("KOSMOS_REMAP_ROWS", "1") != "0"
 MAX_WEIGHTS = 4
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -93,7 +92,7 @@ def _remap_reason(op: str, dim_name: str, lead, dim: int, world_size: int, cfg_o
         return None  # the dim-0 layout
     if not REMAP_ROWS:
         return (f"{dim_name} {dim} > 0 with {B} batch entries: row remapping is switched off "
-                f"(not yet validated on a GPU; KOSMOS_REMAP_ROWS=1 / kosmos.kernels.fused_ops.REMAP_ROWS)")
+                f"(KOSMOS_REMAP_ROWS=0 / kosmos.kernels.fused_ops.REMAP_ROWS)")
     if cfg_of(s) is None:
         big = cfg_of(None).block_m
         return (f"{dim_name} {dim}: rows per batch entry s={s} not a multiple of the tile "

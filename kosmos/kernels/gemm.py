@@ -142,8 +142,9 @@ def stream_k_tail(a_desc, b_desc, c_desc, bias_ptr, ws_ptr, cnt_ptr, N, num_pid_
 
     Worker w (a virtual program, fixed by the host whatever the grid) computes its range; a tile covered by
     several workers gets fp32 partials in ws (slot tile * max_contrib + j), and whichever contributor arrives
-    last (counter in cnt, zeroed per call) sums the partials in slot order and stores the tile. Nobody
-    waits on anybody, and the sum order is fixed, so the result does not depend on the grid or timing.
+    last (counter in cnt) sums the partials in slot order, stores the tile and sets the counter back to zero
+    (so the counters need no per-call reset, and a CUDA graph replays). Nobody waits on anybody, and the sum
+    order is fixed, so the result does not depend on the grid or timing.
     """
     total = num_sk_tiles * k_tiles
     offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -174,6 +175,7 @@ def stream_k_tail(a_desc, b_desc, c_desc, bias_ptr, ws_ptr, cnt_ptr, N, num_pid_
                         total_acc += tl.load(ws_ptr + slot0 + j * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
                     gemm_epilogue(total_acc, c_desc, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N,
                                   BLOCK_M, BLOCK_N, HAS_BIAS, EPILOGUE_SUBTILE)
+                    tl.store(cnt_ptr + t, 0)  # every contributor has arrived: nobody reads it again this call
             it += k1 - k0
 
 
@@ -458,6 +460,21 @@ def make_descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, cfg: Gem
 
 
 _SM_COUNT: dict[int, int] = {}
+_SK_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def stream_k_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n zeroed int32 arrival counters for stream-K tiles, one buffer per (device, stream), grown when needed.
+    The kernel leaves them zero (the last contributor of a tile resets its counter), so no call zeroes them;
+    calls on one stream run in order, so they never share a counter at the same time."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, device=device, dtype=torch.int32)  # the graph's own (its replays keep it zero)
+    key = (device.index if device.index is not None else torch.cuda.current_device(),
+           torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else (-1, 0)
+    buf = _SK_COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _SK_COUNTERS[key] = torch.zeros(max(n, 256), device=device, dtype=torch.int32)
+    return buf
 
 
 def num_sms(device: torch.device) -> int:
@@ -500,7 +517,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, 
     if plan.sk_tiles:
         ws = torch.empty(plan.sk_tiles * plan.sk_max_contrib * cfg.block_m * cfg.block_n, device=a.device,
                          dtype=torch.float32)
-        cnt = torch.zeros(plan.sk_tiles, device=a.device, dtype=torch.int32)
+        cnt = stream_k_counters(a.device, plan.sk_tiles)
     else:
         ws, cnt = c, c  # never touched without STREAM_K
     a_desc, b_desc, c_desc = make_descriptors(a, b, c, cfg, lay)

@@ -205,7 +205,10 @@ def main(argv=None) -> int:
             continue
         for T in map(int, args.ts.split(",")):
             results.append(run_cell(layer, T, args))
-            print(json.dumps({k: v for k, v in results[-1].items() if not k.startswith("fwd")}), flush=True)
+            print(json.dumps(results[-1]), flush=True)
+            if args.json:  # after every cell, so a run cut short keeps its figures
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1)
             if args.tiny:
                 break
     if args.json:

@@ -106,3 +106,26 @@ def test_explain_reports_rewrites_and_impl():
     assert "cpu tensors" in rec.impl_reason
     assert "ag_gemm: rewritten" in str(rep)
     assert rep.runtime[("ag_gemm", "reference", rec.impl_reason)] == 1
+
+
+def test_fused_kernel_that_does_not_fit_takes_reference_with_reason():
+    """A fused impl whose kernel build turns out not to fit the GPU (raised by the launcher before any launch)
+    sends the call to the reference impl, and the report says why."""
+    from kosmos.kernels.runtime import KernelDoesNotFit
+    from kosmos.ops import dispatch
+
+    def run(x):
+        raise KernelDoesNotFit("big_kernel does not fit this GPU: out of resource: shared memory")
+
+    dispatch.register_fused("_test_op", lambda x: None, run)
+    try:
+        kosmos.reset_report()
+        assert dispatch.try_fused("_test_op", torch.device("cuda"), 1) == (False, None)
+        runs = kosmos.report().runtime
+        assert runs == {("_test_op", "reference", "big_kernel does not fit this GPU: out of resource: shared memory"):
+                        1}, runs
+        dispatch.register_fused("_test_op", lambda x: None, lambda x: x + 1)
+        assert dispatch.try_fused("_test_op", torch.device("cuda"), 1) == (True, 2)
+        assert ("_test_op", "fused", "supported") in kosmos.report().runtime
+    finally:
+        dispatch._fused.pop("_test_op", None)

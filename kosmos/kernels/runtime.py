@@ -61,6 +61,11 @@ class KernelTimeout(RuntimeError):
                          f"in task {task}{': ' + detail if detail else ''}; the workspace is unusable from now on")
 
 
+class KernelDoesNotFit(ValueError):
+    """A kernel build needs more than the GPU has (shared memory, registers) or its grid cannot be resident at
+    once: raised before anything is launched, so the caller can take the reference path with this reason."""
+
+
 class WorkspaceBroken(RuntimeError):
     """A call on a workspace that an earlier kernel left in a bad state."""
 
@@ -356,20 +361,29 @@ def check_grid_fits(kernel, key, grid: tuple, device: torch.device, args: tuple,
     self-scheduling kernels: a program may wait on any program that claimed an earlier task)."""
     if interpreting() or torch.device(device).type != "cuda":
         return
+    from triton.runtime.errors import OutOfResources
+
+    name = getattr(kernel, "__name__", "kernel")
     nb = _max_blocks.get(key)
     if nb is None:
-        compiled = kernel.warmup(*args, grid=grid, **kwargs)
-        if hasattr(compiled, "result"):
-            compiled = compiled.result()
-        nb = blocks_per_sm(compiled, device)
+        try:
+            compiled = kernel.warmup(*args, grid=grid, **kwargs)
+            if hasattr(compiled, "result"):
+                compiled = compiled.result()
+            nb = blocks_per_sm(compiled, device)
+            log.info("kosmos: %s holds %d programs per SM (regs %s, smem %s)", name, nb, compiled.n_regs,
+                     compiled.metadata.shared)
+        except OutOfResources as e:
+            nb = f"{name} does not fit this GPU: {e}"
         _max_blocks[key] = nb
-        log.info("kosmos: %s holds %d programs per SM (regs %s, smem %s)", kernel.__name__ if hasattr(kernel, "__name__")
-                 else "kernel", nb, compiled.n_regs, compiled.metadata.shared)
+    if isinstance(nb, str):
+        raise KernelDoesNotFit(nb)
     total = grid[0] * (grid[1] if len(grid) > 1 else 1)
     cap = nb * num_sms(device)
     if total > cap:
-        raise ValueError(f"kosmos: grid of {total} programs does not fit the GPU at once ({nb} per SM x "
-                         f"{num_sms(device)} SMs = {cap}); self-scheduling kernels need every program resident")
+        raise KernelDoesNotFit(f"grid of {total} programs of {name} does not fit the GPU at once ({nb} per SM x "
+                               f"{num_sms(device)} SMs = {cap}); self-scheduling kernels need every program "
+                               "resident")
 
 
 _streams: dict = {}

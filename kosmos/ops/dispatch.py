@@ -1,7 +1,7 @@
 """Chooses, per call, between a fused CUDA impl (registered by kosmos.kernels) and the reference impl."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -24,11 +24,20 @@ def why_reference(op: str, device: torch.device, *args) -> Optional[str]:
     return _fused[op][0](*args) if args else None
 
 
-def fused_impl(op: str, device: torch.device, *args) -> Optional[Callable]:
-    """The fused impl to run on `args`, or None; records which impl ran and why."""
+def try_fused(op: str, device: torch.device, *args) -> tuple[bool, Any]:
+    """Runs the fused impl of `op` on `args` when it takes them -> (True, its result); otherwise (False, None)
+    and the caller runs the reference impl. Records which impl ran and why: the why_not reason, or a kernel
+    build that turned out not to fit the GPU (raised by the launcher before anything ran)."""
+    from kosmos.kernels.runtime import KernelDoesNotFit
+
     reason = why_reference(op, device, *args)
     if reason is None:
-        record_run(op, "fused", "supported")
-        return _fused[op][1]
+        try:
+            out = _fused[op][1](*args)
+        except KernelDoesNotFit as e:
+            reason = str(e)
+        else:
+            record_run(op, "fused", "supported")
+            return True, out
     record_run(op, "reference", reason)
-    return None
+    return False, None

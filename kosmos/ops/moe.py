@@ -501,9 +501,9 @@ def moe_layer(
             norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
             return_router_logits, ep_group_name, ep_world_size, ep_mode)
     _check_layer_args(*args)
-    fused = dispatch.fused_impl("moe_layer", hidden.device, *args)
-    if fused is not None:
-        return fused(*args)
+    done, fused_out = dispatch.try_fused("moe_layer", hidden.device, *args)
+    if done:
+        return fused_out
     logits, ids, weights = route(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring,
                                  norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype)
     _check_ep_group("moe_layer", ep_group_name, ep_world_size)
@@ -570,9 +570,9 @@ def moe_layer_backward(
     args = (grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
             down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
             activation, ep_group_name, ep_world_size, ep_mode)
-    fused = dispatch.fused_impl("moe_layer_backward", hidden.device, *args)
-    if fused is not None:
-        return fused(*args)
+    done, fused_out = dispatch.try_fused("moe_layer_backward", hidden.device, *args)
+    if done:
+        return fused_out
     routed = _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring, norm_topk_prob,
                             n_group, topk_group, routed_scaling_factor, router_dtype)
     _, ids, weights, _ = routed
@@ -643,9 +643,9 @@ def moe_experts(
     args = (hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
     _check_experts_args("moe_experts", hidden, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
     _check_routing(hidden, topk_ids, topk_weights, gate_up_proj)
-    fused = dispatch.fused_impl("moe_experts", hidden.device, *args)
-    if fused is not None:
-        return fused(*args)
+    done, fused_out = dispatch.try_fused("moe_experts", hidden.device, *args)
+    if done:
+        return fused_out
     _check_ep_group("moe_experts", ep_group_name, ep_world_size)
     return _experts_any(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation, ep_group_name,
                         ep_world_size)
@@ -673,9 +673,9 @@ def moe_experts_backward(
 ) -> list[torch.Tensor]:
     args = (grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation, ep_group_name,
             ep_world_size)
-    fused = dispatch.fused_impl("moe_experts_backward", hidden.device, *args)
-    if fused is not None:
-        return fused(*args)
+    done, fused_out = dispatch.try_fused("moe_experts_backward", hidden.device, *args)
+    if done:
+        return fused_out
     _check_ep_group("moe_experts_backward", ep_group_name, ep_world_size)
     d_hidden, d_weights, d_gate_up, d_down = _experts_backward_any(grad_out, hidden, topk_ids, topk_weights,
                                                                    gate_up_proj, down_proj, activation, ep_group_name,

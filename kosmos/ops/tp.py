@@ -101,9 +101,9 @@ def ag_gemm(
 ) -> list[torch.Tensor]:
     _check_ag_args(a, weights, biases, gather_dim, world_size)
     args = (a, weights, biases, gather_dim, world_size, group_name, return_gathered, out_dtype)
-    fused = dispatch.fused_impl("ag_gemm", a.device, *args)
-    if fused is not None:
-        return fused(*args)
+    done, fused_out = dispatch.try_fused("ag_gemm", a.device, *args)
+    if done:
+        return fused_out
     gathered = all_gather_along(a, gather_dim, world_size, group_name)
     outs = [_linear(gathered, w, b, out_dtype) for w, b in zip(weights, biases)]
     return outs + ([gathered] if return_gathered else [])
@@ -154,9 +154,9 @@ def gemm_rs(
 ) -> torch.Tensor:
     _check_rs_args(inputs, weights, bias, scatter_dim, reduce_op, world_size)
     args = (inputs, weights, bias, scatter_dim, reduce_op, world_size, group_name, out_dtype)
-    fused = dispatch.fused_impl("gemm_rs", inputs[0].device, *args)
-    if fused is not None:
-        return fused(*args)
+    done, fused_out = dispatch.try_fused("gemm_rs", inputs[0].device, *args)
+    if done:
+        return fused_out
     full = _linear(inputs[0], weights[0], bias, out_dtype)
     for x, w in zip(inputs[1:], weights[1:]):
         full = full + _linear(x, w, None, out_dtype)

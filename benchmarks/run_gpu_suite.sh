@@ -53,8 +53,8 @@ if [ -z "$SKIP_PASS" ]; then
     tail -1 "$OUT/tests_pass.log"
 fi
 
-# 3. benchmarks: queue overhead of the fused kernels, the GEMM core vs cuBLAS, the MoE layer (fused kernels
-#    opt-in until validated on a GPU)
+# 3. benchmarks: queue overhead of the fused kernels, the GEMM core vs cuBLAS, the MoE layer (reference and fused
+#    impls of kosmos::moe_layer, both timed by the script)
 if [ -z "$SKIP_TP" ]; then
     timeout ${TP_TIMEOUT:-150} python3 benchmarks/tp_sp.py --mode queue --out "$OUT/tp_sp_queue.json" \
         > "$OUT/bench_tp_sp.log" 2>&1
@@ -66,7 +66,7 @@ if [ -z "$SKIP_GEMM" ]; then
     rc_gemm=$?
 fi
 if [ -z "$SKIP_MOE" ]; then
-    KOSMOS_FUSED_MOE=1 timeout ${MOE_TIMEOUT:-240} python3 benchmarks/moe.py ${MOE_ARGS:---ts 16384 --only qwen3_235b --json $OUT/moe.json} \
+    timeout ${MOE_TIMEOUT:-240} python3 benchmarks/moe.py ${MOE_ARGS:---ts 16384 --only qwen3_235b --json $OUT/moe.json} \
         > "$OUT/bench_moe.log" 2>&1
     rc_moe=$?
 fi

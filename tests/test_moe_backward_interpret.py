@@ -239,9 +239,12 @@ def test_gate_needs_env(monkeypatch):
     from kosmos.kernels import moe_ops
 
     args = _args(torch.randn(4, 32))
-    monkeypatch.delenv("KOSMOS_FUSED_MOE", raising=False)
-    assert moe_ops.why_not_moe_layer_backward(*args) == ("fused MoE kernel not yet run on a GPU; set "
-                                                         "KOSMOS_FUSED_MOE=1 to try it")
+    for mode in (None, "forward", "0"):  # opt-in: off by default
+        if mode is None:
+            monkeypatch.delenv("KOSMOS_FUSED_MOE", raising=False)
+        else:
+            monkeypatch.setenv("KOSMOS_FUSED_MOE", mode)
+        assert moe_ops.why_not_moe_layer_backward(*args).startswith("fused MoE backward is opt-in (KOSMOS_FUSED_MOE=1)")
     monkeypatch.setenv("KOSMOS_FUSED_MOE", "1")
     assert moe_ops.why_not_moe_layer_backward(*args) == "cpu tensors"
 

@@ -205,16 +205,21 @@ def test_interpreted_case(report, case):
     assert r["ok"], r.get("error", "") + "\n" + r.get("tb", "")
 
 
-def test_gate_needs_env(monkeypatch):
+def test_gate_env(monkeypatch):
     from kosmos.kernels import moe_ops
 
     h = torch.randn(4, 32)
     args = (h, torch.randn(4, 32), None, None, torch.randn(4, 32, 32), torch.randn(4, 32, 16), 2, "softmax", True)
-    monkeypatch.delenv("KOSMOS_FUSED_MOE", raising=False)
-    assert moe_ops.why_not_moe_layer(*args) == ("fused MoE kernel not yet run on a GPU; set KOSMOS_FUSED_MOE=1 to "
-                                                "try it")
-    monkeypatch.setenv("KOSMOS_FUSED_MOE", "1")
-    assert moe_ops.why_not_moe_layer(*args) == "cpu tensors"
+    monkeypatch.setenv("KOSMOS_FUSED_MOE", "0")
+    assert moe_ops.why_not_moe_layer(*args) == "fused MoE forward switched off (KOSMOS_FUSED_MOE=0)"
+    for mode in ("1", "forward"):
+        monkeypatch.setenv("KOSMOS_FUSED_MOE", mode)
+        assert moe_ops.why_not_moe_layer(*args) == "cpu tensors"
+    monkeypatch.delenv("KOSMOS_FUSED_MOE")
+    assert moe_ops.why_not_moe_layer(*args) == "cpu tensors"  # the forward is fused by default
+    monkeypatch.setenv("KOSMOS_FUSED_MOE", "yes")
+    with pytest.raises(ValueError, match="KOSMOS_FUSED_MOE='yes'"):
+        moe_ops.why_not_moe_layer(*args)
 
 
 def test_kernel_reasons():

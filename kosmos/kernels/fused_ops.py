@@ -262,7 +262,7 @@ def run_gemm_rs(inputs, weights, bias, scatter_dim, reduce_op, world_size, group
 def register() -> None:
     dispatch.register_fused("ag_gemm", why_not_ag_gemm, run_ag_gemm)
     dispatch.register_fused("gemm_rs", why_not_gemm_rs, run_gemm_rs)
-    moe_ops.register()  # kosmos::moe_layer (opt-in: KOSMOS_FUSED_MOE=1)
+    moe_ops.register()  # kosmos::moe_layer / moe_layer_backward (env KOSMOS_FUSED_MOE: which directions)
 
 
 def workspace_bytes() -> dict:

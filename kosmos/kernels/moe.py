@@ -59,7 +59,7 @@ claiming; every other waiting program sees the error word and gives up. The host
 the next call (at once with KOSMOS_DEBUG_SYNC=1), and the control tensor is then unusable (WorkspaceBroken).
 
 Module layout: routing pieces (ROUTE, SCAN, pair rows) in kosmos.kernels.moe_route; the gate (why_not / run /
-register, opt-in via KOSMOS_FUSED_MOE=1) in kosmos.kernels.moe_ops.
+register; env KOSMOS_FUSED_MOE picks the fused directions) in kosmos.kernels.moe_ops.
 
 Workspaces per call (torch allocator, so a captured graph gets fixed addresses): ids / weights / ranks [T, k],
 counts [n_tiles, E], meta [3E], sorted_token [T*k], act [T*k, I] and y [T*k, H] in down_proj's dtype.

@@ -1,8 +1,10 @@
 """Plugs the fused MoE kernels into `kosmos::moe_layer` (forward: kosmos.kernels.moe) and
 `kosmos::moe_layer_backward` (backward: kosmos.kernels.moe_backward) through kosmos.ops.dispatch.
 
-Opt-in: the kernel has run only under the Triton interpreter so far, so `why_not_moe_layer` refuses every call
-unless env KOSMOS_FUSED_MOE=1 (read at each call). It also refuses, with the reason:
+Env KOSMOS_FUSED_MOE (read at each call) picks the directions that run fused: "forward" (default), "1" both,
+"0" neither. Both kernels pass their GPU tests on an H200; on its benchmark cells (benchmarks/RESULTS.md) the fused
+forward beats the op's reference impl everywhere, the fused backward only on the smallest layer (Qwen3-30B-A3B)
+and is 2.3x slower on Qwen3-235B, so the backward is opt-in. `why_not_*` also refuses, with the reason:
 - non-CUDA tensors, GPUs before sm_90 (TMA descriptors);
 - expert parallelism (ep_group_name set): the kernel has no all-to-all yet;
 - n_group not a power of two (group-limited routing), activations other than silu;
@@ -30,8 +32,15 @@ MAX_TOP_K = 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV, "0") == "1"
+_MODES = {"forward": ("forward",), "1": ("forward", "backward"), "0": ()}
+
+
+def enabled(direction: str) -> bool:
+    """Whether `direction` ("forward" / "backward") may run fused under env KOSMOS_FUSED_MOE."""
+    mode = os.environ.get(ENV, "forward")
+    if mode not in _MODES:
+        raise ValueError(f"{ENV}={mode!r}: expected one of {sorted(_MODES)}")
+    return direction in _MODES[mode]
 
 
 def kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
@@ -92,18 +101,25 @@ def kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gat
     return None
 
 
-def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
-                      scoring, norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
-                      activation="silu", return_router_logits=False, ep_group_name=None, ep_world_size=1,
-                      ep_mode="all_to_all") -> Optional[str]:
-    if not enabled():
-        return f"fused MoE kernel not yet run on a GPU; set {ENV}=1 to try it"
+def _device_reason(hidden, ep_group_name, ep_mode) -> Optional[str]:
     if hidden.device.type != "cuda":
         return f"{hidden.device.type} tensors"
     if torch.cuda.get_device_capability(hidden.device)[0] < 9:
         return "TMA descriptors need compute capability >= 9.0"
     if ep_group_name is not None:
         return f"expert parallelism (ep_group_name={ep_group_name!r}, ep_mode={ep_mode!r}) is not fused yet"
+    return None
+
+
+def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
+                      scoring, norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
+                      activation="silu", return_router_logits=False, ep_group_name=None, ep_world_size=1,
+                      ep_mode="all_to_all") -> Optional[str]:
+    if not enabled("forward"):
+        return f"fused MoE forward switched off ({ENV}={os.environ.get(ENV)})"
+    reason = _device_reason(hidden, ep_group_name, ep_mode)
+    if reason is not None:
+        return reason
     return kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                          scoring, n_group, topk_group, router_dtype, activation)
 
@@ -140,14 +156,12 @@ def why_not_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weig
                                n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
                                activation="silu", ep_group_name=None, ep_world_size=1,
                                ep_mode="all_to_all") -> Optional[str]:
-    if not enabled():
-        return f"fused MoE kernel not yet run on a GPU; set {ENV}=1 to try it"
-    if hidden.device.type != "cuda":
-        return f"{hidden.device.type} tensors"
-    if torch.cuda.get_device_capability(hidden.device)[0] < 9:
-        return "TMA descriptors need compute capability >= 9.0"
-    if ep_group_name is not None:
-        return f"expert parallelism (ep_group_name={ep_group_name!r}, ep_mode={ep_mode!r}) is not fused yet"
+    if not enabled("backward"):
+        return (f"fused MoE backward is opt-in ({ENV}=1): slower than this reference impl at Qwen3-235B dims on "
+                "an H200 (benchmarks/RESULTS.md)")
+    reason = _device_reason(hidden, ep_group_name, ep_mode)
+    if reason is not None:
+        return reason
     return (kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                           scoring, n_group, topk_group, router_dtype, activation)
             or _backward_reason(grad_out, grad_router_logits, hidden, gate_up_proj))

@@ -4,12 +4,19 @@ from __future__ import annotations
 import contextlib
 import re
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import kosmos
 from kosmos.passes import post_grad
+
+# Checked on torch 2.11 without torch.compile: the same error is raised in eager.
+needs_dtensor_seq_shard_linear = pytest.mark.skipif(
+    torch.__version__ < (2, 12),
+    reason="torch 2.11 DTensor cannot run nn.Linear on a sequence-sharded (Shard(1)) input: sharding propagation "
+    "of its aten.view raises 'Attempted to flatten multiple dimensions, with dimension 1 being sharded' in eager too")
 
 
 class Captured:

@@ -5,6 +5,7 @@ over gloo with 2 and 4 ranks; forms the op cannot express are left alone with th
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -127,11 +128,13 @@ class TestSnapshot(TestCase):
                 torch.compile(m, backend=backend)(torch.randn(8, 16, dtype=torch.bfloat16))
         (code,) = codes
         body = "\n".join(line.split(";")[0].strip() for line in code.splitlines()[1:] if "= L_" not in line)
+        # the getitem counter is torch's: 2.11 wraps the combine's wait in an autograd.Function read by one more getitem
+        body = re.sub(r"\bgetitem_\d+\b", "getitem_N", body)
         self.assertExpectedInline(body, """\
 cat = torch.cat([l_self_parameters_w1_, l_self_parameters_w3_], 1)
 moe_layer_default = torch.ops.kosmos.moe_layer.default(l_x_, l_self_modules_router_parameters_weight_, None, None, cat, l_self_parameters_w2_, 2, 'softmax', False, 1, 1, 1.0, None, 'silu', False, '0', 1, 'all_to_all')
-getitem_6 = moe_layer_default[0]
-return (getitem_6,)""")
+getitem_N = moe_layer_default[0]
+return (getitem_N,)""")
 
 
 # ------------------------------------------------------------------------------------------- numerics

@@ -13,7 +13,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 import kosmos
-from graph_capture import compile_and_capture, count_ops, fake_world, skeleton, unfused_pairs
+from graph_capture import (compile_and_capture, count_ops, fake_world, needs_dtensor_seq_shard_linear, skeleton,
+                           unfused_pairs)
 
 WORLD = 4
 LAYERS = 2
@@ -86,6 +87,7 @@ t24 = torch.ops.kosmos.gemm_rs.default([t25, t26], [t27, t28], None, 1, 'sum', 4
 t29 = torch.ops.kosmos.ag_gemm.default(t30, [t31], [None], 1, 4, '0', True)
 t32 = torch.ops.kosmos.gemm_rs.default([t33, t34, t35], [t36, t37, t38], None, 1, 'sum', 4, '0', None)""")
 
+    @needs_dtensor_seq_shard_linear
     def test_foreign_plan(self):
         fwd, bwd = self.capture(foreign_plan)
         self.assertEqual(unfused_pairs(fwd.graph), [])

@@ -8,7 +8,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import kosmos
 import tp_models as tm
-from graph_capture import compile_and_capture, count_ops, fake_world, skeleton, unfused_pairs
+from graph_capture import (compile_and_capture, count_ops, fake_world, needs_dtensor_seq_shard_linear, skeleton,
+                           unfused_pairs)
 
 WORLD = 4
 
@@ -138,6 +139,7 @@ t7 = torch.ops.aten.mm.default(t8, t9)
 t10 = torch.ops.aten.mm.default(t11, t9)
 t12 = torch.ops.kosmos.gemm_rs.default([t13, t14], [t15, t16], None, 0, 'sum', 4, '0', None)""")
 
+    @needs_dtensor_seq_shard_linear
     def test_implicit_redistribute(self):
         # DTensor end to end: the gather reaches the matmuls through an index permutation + as_strided
         # (torch 2.14 gives each consumer its own wait_tensor); the unfused leftovers differ by version

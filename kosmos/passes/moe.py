@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import keyword
 import operator
 from typing import Any, Optional
 
@@ -56,13 +57,22 @@ def op_name(node: Any) -> Optional[str]:
     if not isinstance(node, fx.Node):
         return None
     if node.op == "call_method":
-        return node.target
+        return _operator_name(node.target)
     if node.op != "call_function":
         return None
     t = node.target
     if isinstance(t, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
         return t._qualified_op_name.split("::")[-1] if hasattr(t, "_qualified_op_name") else t.name().split("::")[-1].split(".")[0]
     return getattr(t, "__name__", str(t))
+
+
+def _operator_name(method: str) -> str:
+    """`x.__eq__(y)` -> "eq", the name of `operator.eq`: torch 2.11's Dynamo records some operators on tensors as
+    dunder method calls where later versions record the `operator` function."""
+    if not (method.startswith("__") and method.endswith("__") and len(method) > 4):
+        return method
+    name = method[2:-2]
+    return name + "_" if keyword.iskeyword(name) else name  # __and__ -> and_, like operator.and_
 
 
 def _val(node: Any):
@@ -345,7 +355,7 @@ class _ReplicatedEp:
 
     def unwrap(self, walk: _Walk, node: Any, forward: str, backward: str, what: str) -> fx.Node:
         """node = autograd_function_apply(fwd_body, bwd_body, x)[0] whose directions are (forward, backward) -> x."""
-        from kosmos.passes.autograd_fn import autograd_fn_kind
+        from kosmos.passes.autograd_fn import autograd_fn_kind, tensor_input
 
         v = _val(node)
         if forward == "identity" and op_name(node) != "getitem" and isinstance(v, torch.Tensor) and not v.requires_grad:
@@ -362,7 +372,7 @@ class _ReplicatedEp:
         if len(apply.users) != 1:
             raise _NoMatch(f"{what}: {apply.name} has other users than {node.name}")
         walk.nodes.update(dict.fromkeys(apply.args[:2]))  # the get_attr nodes of its bodies
-        return apply.args[2]
+        return tensor_input(apply)
 
 
 def _match_local_ids(walk: _Walk, ids: fx.Node, num_local: int) -> tuple[fx.Node, Optional[_ReplicatedEp]]:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from kosmos.passes.autograd_fn import autograd_fn_kind, tensor_input
 from kosmos.passes.moe import (
     _CASTS, _DIVS, KIND, LeftAlone, RouterConfig, _arg, _closed_region, _const, _describe, _dim_last, _dtype,
     _expert_weight, _new, _NoMatch, _root, _router_linear, _shape, _val, _Walk, emit_moe_layer,
@@ -126,10 +127,39 @@ def _ascending_argsort(walk: _Walk, node: Any, what: str) -> fx.Node:
     return node
 
 
+def _is_wait_fn(node: Any) -> bool:
+    """node = autograd_function_apply(...) of a function waiting forward, passing the gradient through backward:
+    torch 2.11's `all_to_all_single_autograd` waits inside such a function (`_FromTorchTensor`)."""
+    return (autograd_fn_kind(node) or ())[:2] == ("wait", "identity")
+
+
+def _claim_wait_fn(walk: _Walk, apply: fx.Node, result: fx.Node, what: str) -> None:
+    """Adds the wait function and its body get_attrs to the walk; its result must be its only user."""
+    if list(apply.users) != [result]:
+        raise _NoMatch(f"{what} wait: {apply.name} has other users than {result.name}")
+    walk.nodes.update(dict.fromkeys([apply, *apply.args[:2]]))
+
+
 def _wait_a2a(walk: _Walk, node: Any, what: str) -> fx.Node:
-    """node = wait_tensor(all_to_all_single(...)); returns the all_to_all_single node."""
+    """node = wait_tensor(all_to_all_single(...)) or its autograd.Function form; returns the all_to_all_single."""
+    if op_name(node) == "getitem" and _is_wait_fn(node.args[0]):
+        apply = walk.getitem(node, 0, f"{what} wait")
+        _claim_wait_fn(walk, apply, node, what)
+        return walk.call(tensor_input(apply), (_A2A,), what)
     walk.call(node, ("wait_tensor",), f"{what} wait")
     return walk.call(node.args[0], (_A2A,), what)
+
+
+def _waited(walk: _Walk, a2a: fx.Node, what: str) -> fx.Node:
+    """The waited result of `a2a`: its wait_tensor user, or output 0 of the autograd.Function form."""
+    users = list(a2a.users)
+    if len(users) != 1 or not _is_wait_fn(users[0]):
+        return walk.user(a2a, ("wait_tensor",), f"{what} wait")
+    apply = users[0]
+    result = walk.user(apply, ("getitem",), f"{what} wait")
+    _const(result.args[1], 0, f"{what} wait output")
+    _claim_wait_fn(walk, apply, result, what)
+    return result
 
 
 def _splits(walk: _Walk, sizes: Any, counts: fx.Node, ep: int, e_loc: int, what: str) -> None:
@@ -287,7 +317,7 @@ def _match(walk: _Walk, gemms: list[fx.Node]) -> TitanEpMatch:
     if [list(_arg(combine, i, n)) for i, n in ((1, "output_split_sizes"), (2, "input_split_sizes"))] != \
             [list(_arg(dispatch, 2, "input_split_sizes")), list(_arg(dispatch, 1, "output_split_sizes"))]:
         raise _NoMatch(f"{combine.name}: combine splits are not the dispatch splits swapped")
-    returned = walk.user(combine, ("wait_tensor",), "combine all_to_all_single wait")
+    returned = _waited(walk, combine, "combine all_to_all_single")
     per_slot = _setitem_scatter(walk, returned, order, "expert unsort")
     view = walk.user(per_slot, _VIEWS, "fold view", exclude=[u for u in per_slot.users if op_name(u) == "setitem"])
     product = view

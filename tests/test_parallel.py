@@ -197,7 +197,17 @@ def test_tied_embeddings_stay_tied(mesh):
     assert model.lm_head.weight.placements == (Shard(0),)
 
 
-@pytest.mark.parametrize("family,sp", [("qwen3", True), ("qwen3", False), ("qwen3_moe", True), ("deepseek_v3", True)])
+# Checked on torch 2.11 + transformers 5.17 (CPU, fp32): with fullgraph, AOT autograd cannot trace transformers'
+# grouped_mm_fallback backward (GuardOnDataDependentSymNode Eq(u0, 0)); without it, after that break Dynamo fails
+# on the vocab-parallel embedding's _MaskPartial redistribute ("Please convert all Tensors to FakeTensors first").
+# Neither is kosmos code (backend aot_eager); torch 2.13/2.14 trace both models.
+_MOE_TRACES = pytest.mark.skipif(torch.__version__ < (2, 12), reason="torch 2.11 cannot trace the CPU fp32 HF MoE "
+                                 "model's grouped_mm_fallback backward / DTensor embedding (see the comment above)")
+
+
+@pytest.mark.parametrize("family,sp", [("qwen3", True), ("qwen3", False),
+                                       pytest.param("qwen3_moe", True, marks=_MOE_TRACES),
+                                       pytest.param("deepseek_v3", True, marks=_MOE_TRACES)])
 def test_compiles(mesh, family, sp):
     """Dynamo traces the parallelized model, forward and backward. Dense Qwen3: one graph (fullgraph=True).
     MoE models: one graph with transformers' grouped_mm experts here; whether another transformers

@@ -6,7 +6,10 @@ import torch
 
 from _dist import run_ranks
 
-CASES = ["mlp", "attention", "batch1", "gather_dim0", "implicit", "bias"]
+# torch 2.11's DTensor cannot run the "implicit" case's sequence-sharded Linear, in eager either
+# (graph_capture.needs_dtensor_seq_shard_linear)
+_IMPLICIT = ["implicit"] if torch.__version__ >= (2, 12) else []
+CASES = ["mlp", "attention", "batch1", "gather_dim0", *_IMPLICIT, "bias"]
 
 
 def _rel(a, b):
@@ -47,6 +50,6 @@ def _check_cases(rank, world, cases):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world,cases", [(2, CASES), (4, ["mlp", "implicit"])])
+@pytest.mark.parametrize("world,cases", [(2, CASES), (4, ["mlp", *_IMPLICIT])])
 def test_rewritten_cases_match_eager(world, cases):
     run_ranks(_check_cases, world, cases)

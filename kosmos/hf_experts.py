@@ -25,12 +25,23 @@ log = logging.getLogger("kosmos")
 
 NAME = "kosmos"
 _SILU_CLASSES = ("SiLU", "SiLUActivation")
+_hf_moe_module = None
+
+
+def _hf_moe():
+    """transformers.integrations.moe, imported outside the forward Dynamo traces: torch 2.11's Dynamo cannot
+    import from transformers' lazy `integrations` package inside a traced function ("Bad import result")."""
+    global _hf_moe_module
+    if _hf_moe_module is None:
+        import transformers.integrations.moe as hf_moe
+
+        _hf_moe_module = hf_moe
+    return _hf_moe_module
 
 
 def unsupported_reason(experts) -> str | None:
     """Why kosmos::moe_experts cannot run this HF experts module, or None when it can."""
-    from transformers.integrations import moe as hf_moe
-
+    hf_moe = _hf_moe()
     if getattr(experts, "_is_expert_parallel", False):
         return "expert parallelism (HF's EP sentinels) is not supported yet"
     if getattr(experts, "has_bias", False):
@@ -54,11 +65,9 @@ def kosmos_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     """HF experts forward signature: hidden [T, H], top_k_index [T, k], top_k_weights [T, k] -> [T, H]."""
     reason = unsupported_reason(self)
     if reason is not None:
-        from transformers.integrations import moe as hf_moe
-
         if not torch.compiler.is_compiling():
             log.info("experts_implementation=%r: %s; running HF's grouped_mm experts", NAME, reason)
-        return hf_moe.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return _hf_moe().grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     gate_up, down = self.gate_up_proj, self.down_proj
     if getattr(self, "is_transposed", False):  # stored [E, H, 2I] / [E, I, H]
         gate_up, down = gate_up.transpose(-2, -1), down.transpose(-2, -1)
@@ -69,8 +78,8 @@ def kosmos_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
 def register() -> bool:
     """Registers "kosmos" with transformers' ExpertsInterface (idempotent); False when transformers is missing."""
     try:
-        from transformers.integrations.moe import ExpertsInterface
+        hf_moe = _hf_moe()
     except ImportError:
         return False
-    ExpertsInterface.register(NAME, kosmos_experts_forward)
+    hf_moe.ExpertsInterface.register(NAME, kosmos_experts_forward)
     return True

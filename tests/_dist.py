@@ -50,11 +50,13 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, threads: int = 1) -> li
     """Runs fn(rank, world_size, *args) on `world_size` gloo ranks; returns their results by rank.
 
     The ranks share a private Inductor cache (a fresh folder), so runs beside this one cannot race on
-    its files."""
+    its files, but not its FX graph cache: a graph one rank loaded from another's compile would skip the
+    kosmos passes there, and that rank's kosmos.report() would miss the rewrites."""
     with tempfile.TemporaryDirectory(prefix="kosmos_dist_") as tmp:
         store_path = os.path.join(tmp, "store")
-        old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+        env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             mp.spawn(_worker, args=(world_size, store_path, tmp, fn, args, threads), nprocs=world_size, join=True)
         except Exception as e:
@@ -62,10 +64,11 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, threads: int = 1) -> li
             detail = "\n".join(open(os.path.join(tmp, f)).read() for f in errs[:1])
             raise RuntimeError(f"rank(s) failed: {errs}\n{detail}") from e
         finally:
-            if old is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
 
 

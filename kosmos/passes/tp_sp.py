@@ -78,7 +78,8 @@ class AllGatherMatch:
             for inp in (m.weight, m.bias):
                 if inp is not None:
                     graph_edit.hoist_before(inp, anchor, pos)
-        sizes = {n: graph_edit.size_args(shape_of(n), anchor, pos, hoist=True) for n in self._reshaped()}
+        sizes = {n: graph_edit.size_args(shape_of(n), anchor, pos, hoist=True, replaced=self._reshaped())
+                 for n in self._reshaped()}
         with graph.inserting_before(anchor):
             a = self.shard_view
             if self.cast_to is not None:
@@ -135,8 +136,8 @@ class ReduceScatterMatch:
     def replace(self, graph: fx.Graph) -> fx.Node:
         pos = graph_edit.positions(graph)
         lead, out_shape = self.reshapes()
-        lead = graph_edit.size_args(lead, self.collective, pos, hoist=True)
-        out_sizes = graph_edit.size_args(out_shape, self.collective, pos, hoist=True)
+        lead = graph_edit.size_args(lead, self.collective, pos, hoist=True, replaced=self.waits)
+        out_sizes = graph_edit.size_args(out_shape, self.collective, pos, hoist=True, replaced=self.waits)
         with graph.inserting_before(self.collective):
             inputs = [
                 graph_edit.call(graph, aten.reshape.default, (x, lead + [shape_of(x)[-1]])) for x in self.inputs
@@ -342,7 +343,7 @@ def find_all_gather(collective: fx.Node) -> Optional[Finding]:
     )
     pos = graph_edit.positions(collective.graph)
     for n in match._reshaped():
-        if graph_edit.size_args(shape_of(n), match.anchor(), pos) is None:
+        if graph_edit.size_args(shape_of(n), match.anchor(), pos, replaced=match._reshaped()) is None:
             return LeftAlone("ag_gemm", f"no size nodes in the graph give the symbolic shape {shape_of(n)} of {n.name}", names)
     return match
 
@@ -476,7 +477,7 @@ def find_reduce_scatter(collective: fx.Node) -> Optional[Finding]:
                     casts.pop(), full, dim, reduce_op, world_size, group_name, chain + sum_chain,
                 )
                 for shp in match.reshapes():
-                    if graph_edit.size_args(shp, collective, pos) is None:
+                    if graph_edit.size_args(shp, collective, pos, replaced=waits) is None:
                         return LeftAlone("gemm_rs", f"no size nodes in the graph give the symbolic shape {shp}", names)
                 return match
     why = " (at the hints and at a second admissible size)" if len(envs) > 1 else ""

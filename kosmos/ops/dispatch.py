@@ -5,6 +5,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from kosmos.kernels.runtime import KernelDoesNotFit
 from kosmos.reporting import PassRecord, record, record_run
 
 # op name -> (why_not(*args) -> reason or None, run(*args))
@@ -28,8 +29,6 @@ def try_fused(op: str, device: torch.device, *args) -> tuple[bool, Any]:
     """Runs the fused impl of `op` on `args` when it takes them -> (True, its result); otherwise (False, None)
     and the caller runs the reference impl. Records which impl ran and why: the why_not reason, or a kernel
     build that turned out not to fit the GPU (raised by the launcher before anything ran)."""
-    from kosmos.kernels.runtime import KernelDoesNotFit
-
     reason = why_reference(op, device, *args)
     if reason is None:
         try:

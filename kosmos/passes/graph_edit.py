@@ -54,13 +54,6 @@ def _movable_size_node(node: fx.Node, before: fx.Node, pos: dict[fx.Node, int]) 
     return all(_movable_size_node(i, before, pos) for i in node.all_input_nodes)
 
 
-def _reads_any(node: fx.Node, nodes: frozenset) -> bool:
-    """True if the size `node` is read off one of `nodes` (directly, or through SymInt arithmetic)."""
-    if node in nodes:
-        return True
-    return _size_val(node) is not None and any(_reads_any(i, nodes) for i in node.all_input_nodes)
-
-
 def size_args(shape, before: fx.Node, pos: dict[fx.Node, int], hoist: bool = False,
               replaced: Iterable[fx.Node] = ()) -> Optional[list]:
     """Size arguments for a reshape to `shape` inserted before `before`, taken from the graph.
@@ -68,21 +61,22 @@ def size_args(shape, before: fx.Node, pos: dict[fx.Node, int], hoist: bool = Fal
     Static sizes stay ints; each symbolic size becomes a node already in the graph whose value is
     that same expression (a placeholder, or SymInt arithmetic Inductor kept, hoisted above `before`
     when `hoist`); a single size no node gives becomes -1. Never a hint: the rewrite must not
-    specialize a symbol. None when more than one size has no node. Sizes read off `replaced` (the nodes
-    the rewrite replaces by what it builds from these sizes) are not taken: replacing would make a cycle."""
+    specialize a symbol. None when more than one size has no node. Sizes that depend on `replaced` (the
+    nodes the rewrite replaces by what it builds from these sizes) are not taken: replacing would make a cycle."""
     from kosmos.passes.layout_probe import size_expr
 
     wanted = [size_expr(s) for s in shape]
     if all(isinstance(s, int) for s in wanted):
         return wanted
-    replaced = frozenset(replaced)
+    replaced = set(replaced)
+    first_replaced = min((pos[r] for r in replaced), default=float("inf"))
     by_expr: dict = {}
     for n in before.graph.nodes:
         v = _size_val(n)
         if v is not None and n.op in ("placeholder", "call_function"):
             e = size_expr(v)
             if not isinstance(e, int) and e not in by_expr and _movable_size_node(n, before, pos) \
-                    and not _reads_any(n, replaced):
+                    and not depends_on(n, replaced, first_replaced, pos):
                 by_expr[e] = n
     out, unresolved = [], 0
     for e in wanted:

@@ -253,11 +253,12 @@ def _symbolic(shape) -> list[str]:
     return [str(s) for s in shape if not isinstance(s, int)]
 
 
-def _static_weights(matmuls) -> Optional[str]:
-    for m in matmuls:
-        for inp in (m.weight, m.bias):
+def _static_weights(operands) -> Optional[str]:
+    """Why one of the (matmul, weight, bias) operands has a symbolic or unknown shape, or None."""
+    for node, weight, bias in operands:
+        for inp in (weight, bias):
             if inp is not None and _symbolic(shape_of(inp) or ["?"]):
-                return f"the operand {inp.name} of {m.node.name} has symbolic or unknown shape {shape_of(inp)}"
+                return f"the operand {inp.name} of {node.name} has symbolic or unknown shape {shape_of(inp)}"
     return None
 
 
@@ -300,7 +301,7 @@ def find_all_gather(collective: fx.Node) -> Optional[Finding]:
         for inp in (m.weight, m.bias):
             if inp is not None and graph_edit.depends_on(inp, source, 0, pos):
                 return LeftAlone("ag_gemm", f"the operand {inp.name} of {m.node.name} depends on the gathered tensor", names)
-    bad = _static_weights(matmuls)
+    bad = _static_weights((m.node, m.weight, m.bias) for m in matmuls)
     if bad:
         return LeftAlone("ag_gemm", bad, names)
     dtype = val(rows).dtype
@@ -444,10 +445,10 @@ def find_reduce_scatter(collective: fx.Node) -> Optional[Finding]:
     dtypes = {val(x).dtype for x in inputs + weights}
     if len(dtypes) > 1 or not dtypes <= set(_SUPPORTED_DTYPES):
         return LeftAlone("gemm_rs", f"unsupported or mixed dtypes {sorted(map(str, dtypes))}", names)
+    bad = _static_weights((t.matmul, t.weight, t.bias) for t in terms)
+    if bad:
+        return LeftAlone("gemm_rs", bad, names)
     for t in terms:
-        for inp in (t.weight, t.bias):
-            if inp is not None and _symbolic(shape_of(inp) or ["?"]):
-                return LeftAlone("gemm_rs", f"the operand {inp.name} of {t.matmul.name} has symbolic or unknown shape {shape_of(inp)}", names)
         if not isinstance(shape_of(t.input)[-1], int):
             return LeftAlone("gemm_rs", f"the contracted dim of {t.matmul.name} is symbolic ({shape_of(t.input)[-1]})", names)
     root_shape = shape_of(root)

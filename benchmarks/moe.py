@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
+
+from kosmos.kernels.moe_ops import ENV as FUSED_MOE_ENV
 
 LAYERS = {
     "qwen3_30b_a3b": dict(family="qwen3_moe", H=2048, I=768, E=128, k=8),
@@ -105,12 +106,12 @@ def run_cell(layer: str, T: int, args) -> dict:
     runs = {"hf_eager": fns["hf_eager"], "inductor": fns["inductor"]}
     runs.update({mode: fns["kosmos"] for mode in KOSMOS_MODES})
     params = [x] + list(block.parameters())
-    env = os.environ.get(moe_env())
+    env = os.environ.get(FUSED_MOE_ENV)
     with torch.no_grad():
         ref = block(x)
     for name, f in runs.items():
         if name in KOSMOS_MODES:
-            os.environ[moe_env()] = KOSMOS_MODES[name]
+            os.environ[FUSED_MOE_ENV] = KOSMOS_MODES[name]
             kosmos.reset_report()
         with torch.no_grad():
             res[f"err_{name}"] = rel_err(f(x), ref)
@@ -125,9 +126,9 @@ def run_cell(layer: str, T: int, args) -> dict:
             res[f"impl_{name}"] = sorted({f"{op}: {impl} ({why})" for op, impl, why in kosmos.report().runtime
                                           if op.startswith("moe_layer")}) or ["not rewritten"]
     if env is None:
-        os.environ.pop(moe_env(), None)
+        os.environ.pop(FUSED_MOE_ENV, None)
     else:
-        os.environ[moe_env()] = env
+        os.environ[FUSED_MOE_ENV] = env
 
     rows = T * d["k"]
     a = torch.randn(rows, d["H"], device=device, dtype=dtype)
@@ -138,12 +139,6 @@ def run_cell(layer: str, T: int, args) -> dict:
     res["fwdbwd_dense"] = 3 * res["fwd_dense"]
     res["target"] = TARGETS.get((layer, T))
     return res
-
-
-def moe_env() -> str:
-    from kosmos.kernels.moe_ops import ENV
-
-    return ENV
 
 
 def table(results) -> str:

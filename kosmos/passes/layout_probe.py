@@ -90,17 +90,6 @@ def shape_of(node) -> Optional[list[Size]]:
     return None if v is None else [size_expr(s) for s in v.shape]
 
 
-def static_shape(node) -> Optional[list[int]]:
-    shape = shape_of(node)
-    if shape is None or not all(isinstance(s, int) for s in shape):
-        return None  # symbolic sizes: never specialize them from a pass
-    return shape
-
-
-def is_static(node) -> bool:
-    return static_shape(node) is not None
-
-
 def divisible(size: Size, k: int, shape_env=None) -> bool:
     """True if `size` is a multiple of k for every value of its symbols (decided without a guard): structurally,
     or by a divisibility the shape env already guards (e.g. Mod(s0, 4) from a split that must be even)."""

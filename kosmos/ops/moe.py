@@ -48,6 +48,14 @@ They save nothing but the forward's inputs and recompute what they need: the ref
 and the up projection (`route_backward`, `experts_backward`: matmuls in the weights' dtype, sums in fp32).
 score_correction_bias and topk_ids get no gradient.
 
+The reference experts (`experts`, `experts_backward`, and the EP ones below) sort the pairs by expert and run every
+projection as ONE grouped matmul over the sorted rows (`_grouped_mm`; weight gradients `_grouped_wgrad`):
+torch._grouped_mm where it has a kernel for the operands (CUDA bf16 on sm90/sm100, CPU fp32/bf16/fp16), with the
+group offsets found on the device, so no host sync and a fixed number of launches whatever E; elsewhere (CUDA
+fp16/fp32, other GPUs, strides not 16-byte aligned, operands that torch.autograd records) a loop over the experts,
+one host sync per call for the counts. Without EP each expert's rows are led by a zero pad row (`_SortedPairs`):
+no expert's group is empty and sentinel pairs read exact zeros, so no output needs masking.
+
 Expert parallelism (EP): with `ep_group_name` (a process group of `ep_world_size` ranks) the expert weights are
 this rank's contiguous slice: gate_up_proj [E_loc, 2I, H], down_proj [E_loc, H, I], rank r owning the global
 experts [r * E_loc, (r + 1) * E_loc), E = E_loc * ep_world_size. Everything else is per rank: hidden (and grad_out)
@@ -66,7 +74,8 @@ The EP reference impl (`ep_experts`, `ep_experts_backward`) uses functional coll
        split sizes as host ints. Acceptable for the reference path; the fused kernel exchanges counts on device.
     2. dispatch: all_to_all_single of the routed token rows (sorted by expert, hence by owner) to the owners;
        backward also dispatches d_y = grad_out[token] * weight rows.
-    3. the owner runs its local experts on the rows grouped by expert (sources in rank order), then
+    3. the owner runs its local experts on the rows grouped by expert (sources in rank order; the grouped
+       matmuls take the counts of step 1), then
     4. combine: all_to_all_single of the expert outputs y (backward: y and d_x rows) back to their home ranks,
        where the weighting and the fold over the k slots happen in the same order as without EP.
     5. tokens_per_expert: all_reduce (sum) of the per-rank counts.
@@ -81,6 +90,7 @@ tokens_per_expert counts this rank's pairs over all E experts (the same on every
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -237,79 +247,184 @@ def route_backward(d_weights, d_logits_out, routed, router_weight, router_bias, 
     return d_hidden, d_router_weight, d_router_bias
 
 
-def _sort_pairs(topk_ids, num_experts):
-    """(perm, token of each sorted pair, per-expert counts as a host list) for the (token, slot) pairs."""
-    expert_ids = topk_ids.reshape(-1)
-    _, perm = torch.sort(expert_ids)
-    counts = torch.bincount(expert_ids, minlength=num_experts)
-    return perm, perm // topk_ids.shape[1], counts
+# ----------------------------------------------------------------------------------- grouped matmuls
+
+_GROUPED_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _expert_up(x, gate_up_e, down_dtype):
-    gate, up = (x @ gate_up_e.transpose(0, 1)).chunk(2, dim=-1)
+@functools.lru_cache(maxsize=None)
+def _cuda_grouped_arch(device_index: int) -> bool:
+    """torch._grouped_mm's CUTLASS kernel (bf16) exists for sm90 and sm100; other GPUs get torch's fallback."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] in (9, 10)
+
+
+def _tma_layout(t: torch.Tensor) -> bool:
+    """The layout torch._grouped_mm accepts: unit stride in one of the last two dims, every other stride a
+    multiple of 16 bytes (and, on CUDA, a 16-byte aligned pointer)."""
+    align = 16 // t.element_size()
+    strides = t.stride()
+    if 1 not in strides[-2:] or any(s % align for s in strides if s != 1):
+        return False
+    return t.device.type != "cuda" or t.data_ptr() % 16 == 0
+
+
+def _grouped_kernel(a: torch.Tensor, b: torch.Tensor, num_groups: int) -> bool:
+    """Whether torch._grouped_mm(a, b, offs) runs as one grouped kernel with no host sync: CUDA bf16 on sm90/sm100
+    (at most 1023 groups), CPU fp32/bf16/fp16 (torch loops over the groups in C++, where a sync costs nothing).
+    Other CUDA dtypes and GPUs would take torch's own fallback, which syncs on every call: we loop instead. So do
+    operands that autograd records (the reference math differentiated by torch.autograd, as tests use it):
+    torch._grouped_mm's backward leaves the gradient rows past the last group unwritten."""
+    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return False
+    if a.device.type == "cuda":
+        ok = a.dtype == torch.bfloat16 and num_groups < 1024 and _cuda_grouped_arch(a.device.index or 0)
+    else:
+        ok = a.device.type == "cpu" and a.dtype in _GROUPED_CPU_DTYPES
+    return ok and _tma_layout(a) and _tma_layout(b)
+
+
+class _Groups:
+    """Consecutive row groups, one per expert: `ends` [E] int32 on the device (torch._grouped_mm's offs); `sizes`
+    the host list if known. `padded`: each group starts with a zero pad row, so none is empty."""
+
+    def __init__(self, ends: torch.Tensor, sizes: Optional[list] = None, padded: bool = False):
+        self.ends, self._sizes, self.padded = ends, sizes, padded
+
+    def __len__(self) -> int:
+        return self.ends.shape[0]
+
+    def sizes(self) -> list:
+        """Host group sizes, for the per-group loop: one host sync per op call where they are not known."""
+        if self._sizes is None:
+            self._sizes = torch.diff(self.ends, prepend=self.ends.new_zeros(1)).tolist()
+        return self._sizes
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, groups: _Groups) -> torch.Tensor:
+    """Ragged-M grouped matmul [S, N]: group e's rows of a [S, K] times b[e] [K, N]. Rows past the last group are
+    left unwritten: the caller must keep them out of its results."""
+    if a.stride(-1) == 1 and _grouped_kernel(a, b, len(groups)):  # CUTLASS wants a row-major ragged operand
+        return torch._grouped_mm(a, b, groups.ends)
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    start = 0
+    for e, n in enumerate(groups.sizes()):
+        if n:
+            out[start : start + n] = a[start : start + n] @ b[e]
+        start += n
+    return out
+
+
+def _grouped_wgrad(a: torch.Tensor, b: torch.Tensor, groups: _Groups, like: torch.Tensor) -> torch.Tensor:
+    """Per-expert weight gradient [E, M, N] with the strides of `like`: [e] = a_e^T @ b_e over group e's rows of
+    the row-major a [S, M] and b [S, N] (a ragged-K grouped matmul); exact zeros for experts without rows."""
+    if like.stride(-2) == 1 and like.stride(-1) != 1:  # column-major weights (HF's is_transposed): the transposes
+        return _grouped_wgrad(b, a, groups, like.transpose(-2, -1)).transpose(-2, -1)
+    if a.stride(-1) == 1 and b.stride(-1) == 1 and _grouped_kernel(a.t(), b, len(groups)):
+        out = torch._grouped_mm(a.t(), b, groups.ends)  # a^T column-major: the layout that allows empty groups
+        if not groups.padded:  # never trust what a kernel leaves for an empty group
+            for e in [e for e, n in enumerate(groups.sizes()) if n == 0]:
+                out[e].zero_()
+    else:
+        out = a.new_zeros(len(groups), a.shape[1], b.shape[1])
+        start = 0
+        for e, n in enumerate(groups.sizes()):
+            if n:
+                out[e] = a[start : start + n].t() @ b[start : start + n]
+            start += n
+    return out if out.stride() == like.stride() else torch.empty_like(like).copy_(out)
+
+
+# ------------------------------------------------------------------------------------------- experts
+
+
+class _SortedPairs:
+    """The rows the reference experts compute: the (token, slot) pairs sorted by expert, each expert's group led by
+    one zero pad row. So no group is empty (the weight gradients need no masking) and a sentinel pair (id E, sorted
+    past the last group, its rows never written) reads a pad row, whose outputs and gradients are exactly 0.
+    Found on the device: `token` [S + E] of each row (T, a zero row appended to hidden, for a pad), `pair` [S + E]
+    (flat pair index, S for a pad), `row` [S] of each pair (pad row 0 for a sentinel), `counts` [E] pairs per
+    expert, `groups` the padded row groups."""
+
+    def __init__(self, topk_ids: torch.Tensor, num_experts: int):
+        flat = topk_ids.reshape(-1).long()
+        pairs, device = flat.numel(), flat.device
+        sorted_ids, perm = torch.sort(flat)
+        experts = torch.arange(num_experts, device=device)
+        ends = torch.searchsorted(sorted_ids, experts, right=True)  # without the pad rows
+        self.counts = torch.diff(ends, prepend=ends.new_zeros(1))
+        # sorted pair i of expert e: row i + e + 1, past the pads of experts 0..e; a sentinel's: i + E
+        at = torch.arange(pairs, device=device) + sorted_ids.clamp(max=num_experts - 1) + 1
+        self.pair = torch.full((pairs + num_experts,), pairs, dtype=torch.long, device=device)
+        self.pair[at] = perm
+        self.token = self.pair // topk_ids.shape[1]
+        self.row = torch.empty_like(perm)
+        self.row[perm] = at
+        self.row = torch.where(flat < num_experts, self.row, 0)
+        self.groups = _Groups((ends + experts + 1).to(torch.int32), padded=True)
+
+
+def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
+    """t with one zero row (element) appended: what the pad rows read."""
+    return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+
+
+def _experts_up(x, gate_up_proj, groups, down_dtype):
+    """Up projection and SwiGLU of the grouped rows x: (gate, up, silu(gate), act = silu(gate) * up in down_dtype)."""
+    gate, up = _grouped_mm(x, gate_up_proj.transpose(1, 2), groups).chunk(2, dim=-1)
     silu = F.silu(gate)
     return gate, up, silu, (silu * up).to(down_dtype)
 
 
+def _experts_grads(x, d_y, gate_up_proj, down_proj, groups):
+    """Backward of the experts on rows grouped by expert: x [S, H] in gate_up_proj's dtype and d_y [S, H] (gradient
+    of each row's expert output, in down_proj's dtype) -> (y [S, H] recomputed, d_x [S, H] in gate_up_proj's dtype,
+    d_gate_up_proj, d_down_proj). Rows past the last group get unwritten y and d_x."""
+    gate, up, silu, act = _experts_up(x, gate_up_proj, groups, down_proj.dtype)
+    y = _grouped_mm(act, down_proj.transpose(1, 2), groups)
+    d_down = _grouped_wgrad(d_y, act, groups, down_proj)
+    d_act = _grouped_mm(d_y, down_proj, groups).to(silu.dtype)
+    sig = torch.sigmoid(gate)
+    d_gate = d_act * up * (sig * (1 + gate * (1 - sig)))
+    d_h = torch.cat([d_gate, d_act * silu], dim=-1)
+    d_gate_up = _grouped_wgrad(d_h, x, groups, gate_up_proj)
+    return y, _grouped_mm(d_h, gate_up_proj, groups), d_gate_up, d_down
+
+
+def _fold(rows, row, num_tokens, top_k, dtype=None):
+    """[T, k, H] -> [T, H]: the pair rows rows[row[t * k + j]] summed over the slots j (in `dtype` if given)."""
+    return rows[row].view(num_tokens, top_k, rows.shape[-1]).sum(dim=1, dtype=dtype)
+
+
 def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu"):
-    """The experts of the module docstring (HF's grouped_mm experts, one matmul per expert); returns
-    (out [T, H], tokens_per_expert [E] int32). A pair whose id is E (the sentinel) is not computed: it adds 0."""
-    num_tokens, hidden_dim = hidden.shape
-    top_k = topk_ids.shape[1]
-    num_experts = gate_up_proj.shape[0]
-    perm, token, counts = _sort_pairs(topk_ids, num_experts)
-    x = hidden[token].to(gate_up_proj.dtype)
-    y = x.new_zeros(x.shape[0], hidden_dim, dtype=down_proj.dtype)
-    start = 0
-    for e, n in enumerate(counts.tolist()[:num_experts]):  # one host sync: this is the reference impl
-        if n:
-            act = _expert_up(x[start : start + n], gate_up_proj[e], down_proj.dtype)[3]
-            y[start : start + n] = act @ down_proj[e].transpose(0, 1)
-        start += n
-    weighted = y * topk_weights.reshape(-1)[perm].unsqueeze(-1)
-    inv_perm = torch.empty_like(perm)
-    inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
-    out = weighted[inv_perm].view(num_tokens, top_k, hidden_dim).sum(dim=1).to(hidden.dtype)
-    return out, counts[:num_experts].to(torch.int32)
+    """The experts of the module docstring (HF's grouped_mm experts: one grouped matmul per projection over the
+    pairs sorted by expert); returns (out [T, H], tokens_per_expert [E] int32). A pair whose id is E (the sentinel)
+    is not computed: it adds 0."""
+    num_tokens, top_k = topk_ids.shape
+    rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
+    x = _with_zero_row(hidden)[rows.token].to(gate_up_proj.dtype)
+    act = _experts_up(x, gate_up_proj, rows.groups, down_proj.dtype)[3]
+    y = _grouped_mm(act, down_proj.transpose(1, 2), rows.groups)
+    weighted = y[rows.row].view(num_tokens, top_k, y.shape[-1]) * topk_weights.unsqueeze(-1)
+    return weighted.sum(dim=1).to(hidden.dtype), rows.counts.to(torch.int32)
 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu"):
     """Gradients of `experts` -> (d_hidden fp32 [T, H], d_topk_weights, d_gate_up_proj, d_down_proj).
     Recomputes the up projection; matmuls run in the weights' dtype, sums accumulate in fp32. Sentinel pairs
     (id E) get zero gradients."""
-    num_tokens, hidden_dim = hidden.shape
-    num_experts = gate_up_proj.shape[0]
-    perm, token, counts = _sort_pairs(topk_ids, num_experts)
-    x = hidden[token].to(gate_up_proj.dtype)
-    w_sorted = topk_weights.reshape(-1)[perm]
+    num_tokens, top_k = topk_ids.shape
+    rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
+    x = _with_zero_row(hidden)[rows.token].to(gate_up_proj.dtype)
     product_dtype = torch.promote_types(down_proj.dtype, topk_weights.dtype)
-    g_sorted = grad_out.to(product_dtype)[token]  # d(weighted pair): the fold sums the pairs of a token
-    d_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    d_w_sorted = torch.zeros(w_sorted.shape, dtype=torch.float32, device=x.device)
-    d_gate_up = torch.zeros_like(gate_up_proj)
-    d_down = torch.zeros_like(down_proj)
-    start = 0
-    for e, n in enumerate(counts.tolist()[:num_experts]):
-        if n == 0:
-            continue
-        rows = slice(start, start + n)
-        gate, up, silu, act = _expert_up(x[rows], gate_up_proj[e], down_proj.dtype)
-        y = act @ down_proj[e].transpose(0, 1)
-        g = g_sorted[rows]
-        d_w_sorted[rows] = (g * y.to(product_dtype)).float().sum(dim=-1)
-        d_y = (g * w_sorted[rows].unsqueeze(-1)).to(y.dtype)
-        d_down[e] = d_y.transpose(0, 1) @ act
-        d_act = (d_y @ down_proj[e]).to(silu.dtype)
-        sig = torch.sigmoid(gate)
-        d_gate = d_act * up * (sig * (1 + gate * (1 - sig)))
-        d_h = torch.cat([d_gate, d_act * silu], dim=-1)
-        d_gate_up[e] = d_h.transpose(0, 1) @ x[rows]
-        d_x[rows] = (d_h @ gate_up_proj[e]).float()
-        start += n
-    d_hidden = torch.zeros(num_tokens, hidden_dim, dtype=torch.float32, device=x.device).index_add_(0, token, d_x)
-    d_weights = torch.empty_like(d_w_sorted)
-    d_weights[perm] = d_w_sorted
-    return d_hidden, d_weights.view(topk_ids.shape).to(topk_weights.dtype), d_gate_up, d_down
+    g = grad_out.to(product_dtype)  # d(weighted pair): the fold sums the pairs of a token
+    w_rows = _with_zero_row(topk_weights.reshape(-1))[rows.pair].unsqueeze(-1)
+    d_y = (_with_zero_row(g)[rows.token] * w_rows).to(down_proj.dtype)
+    y, d_x, d_gate_up, d_down = _experts_grads(x, d_y, gate_up_proj, down_proj, rows.groups)
+    y_pairs = y[rows.row].view(num_tokens, top_k, y.shape[-1]).to(product_dtype)
+    d_weights = (g.unsqueeze(1) * y_pairs).float().sum(dim=-1).to(topk_weights.dtype)
+    return _fold(d_x, rows.row, num_tokens, top_k, torch.float32), d_weights, d_gate_up, d_down
 
 
 # ------------------------------------------------------------------------------- expert parallelism
@@ -328,24 +443,29 @@ def _all_reduce_sum(x: torch.Tensor, group_name: str) -> torch.Tensor:
 class _EpPlan:
     """Where the routed (token, slot) pairs of this rank go, and what this rank's experts receive.
 
-    Home side: `perm` sorts the pairs by global expert id (hence by owner rank), `token` is each sorted pair's
-    token, `send_splits[d]` how many sorted pairs go to rank d. Expert side: `recv_splits[s]` rows arrive from
-    rank s (grouped by local expert inside each source); `order` lists the received rows expert-major (expert 0's
-    rows from ranks 0, 1, ..., then expert 1's, ...), `local_counts[j]` how many rows local expert j gets."""
+    Home side: `perm` sorts the pairs by global expert id (hence by owner rank), `row` is each pair's place in that
+    order, `token` each sorted pair's token, `send_splits[d]` how many sorted pairs go to rank d. Expert side:
+    `recv_splits[s]` rows arrive from rank s (grouped by local expert inside each source); `order` lists the
+    received rows expert-major (expert 0's rows from ranks 0, 1, ..., then expert 1's, ...), `local_counts[j]` how
+    many rows local expert j gets, `groups` the same as the local experts' row groups."""
 
     def __init__(self, topk_ids: torch.Tensor, num_local: int, group_name: str, ep_world_size: int):
         num_experts = num_local * ep_world_size
         expert_ids = topk_ids.reshape(-1).long()
         _, self.perm = torch.sort(expert_ids, stable=True)
         self.token = self.perm // topk_ids.shape[1]
+        self.row = torch.empty_like(self.perm)
+        self.row[self.perm] = torch.arange(self.perm.numel(), device=self.perm.device)
         self.counts = torch.bincount(expert_ids, minlength=num_experts)  # [E], this rank's pairs
         # recv[s, j]: pairs rank s sends to my local expert j (an all_to_all of the [ep, E_loc] count matrix)
-        recv = _all_to_all(self.counts, [num_local] * ep_world_size, [num_local] * ep_world_size, group_name)
+        recv_counts = _all_to_all(self.counts, [num_local] * ep_world_size, [num_local] * ep_world_size, group_name)
+        recv_counts = recv_counts.view(ep_world_size, num_local)
         # the reference path's one host sync: all_to_all_single takes host split sizes
         send = self.counts.view(ep_world_size, num_local).sum(1).tolist()
-        recv = recv.view(ep_world_size, num_local).tolist()
+        recv = recv_counts.tolist()
         self.send_splits, self.recv_splits = send, [sum(row) for row in recv]
         self.local_counts = [sum(recv[s][j] for s in range(ep_world_size)) for j in range(num_local)]
+        self.groups = _Groups(torch.cumsum(recv_counts.sum(0), 0, dtype=torch.int32), self.local_counts)
         # local expert of each received row (source-major), stably sorted: expert-major, sources in rank order
         device = topk_ids.device
         row_expert = torch.arange(num_local, device=device).repeat(ep_world_size).repeat_interleave(
@@ -371,23 +491,13 @@ def ep_experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activati
                ep_world_size: int):
     """`experts` with the experts spread over the EP group (module docstring): gate_up_proj / down_proj are this
     rank's E_loc experts, topk_ids global; returns (out [T, H] of this rank's tokens, global tokens_per_expert)."""
-    num_tokens, hidden_dim = hidden.shape
-    top_k = topk_ids.shape[1]
+    num_tokens, top_k = topk_ids.shape
     plan = _EpPlan(topk_ids, gate_up_proj.shape[0], group_name, ep_world_size)
     x = plan.dispatch(hidden[plan.token].to(gate_up_proj.dtype))
-    y = x.new_empty(x.shape[0], hidden_dim, dtype=down_proj.dtype)
-    start = 0
-    for e, n in enumerate(plan.local_counts):
-        if n:
-            act = _expert_up(x[start : start + n], gate_up_proj[e], down_proj.dtype)[3]
-            y[start : start + n] = act @ down_proj[e].transpose(0, 1)
-        start += n
-    y_home = plan.combine(y)  # [T * k, H], sorted-pair order
-    weighted = y_home * topk_weights.reshape(-1)[plan.perm].unsqueeze(-1)
-    inv_perm = torch.empty_like(plan.perm)
-    inv_perm[plan.perm] = torch.arange(plan.perm.numel(), device=plan.perm.device)
-    out = weighted[inv_perm].view(num_tokens, top_k, hidden_dim).sum(dim=1).to(hidden.dtype)
-    return out, plan.global_counts()
+    act = _experts_up(x, gate_up_proj, plan.groups, down_proj.dtype)[3]
+    y_home = plan.combine(_grouped_mm(act, down_proj.transpose(1, 2), plan.groups))  # [T * k, H], sorted-pair order
+    weighted = y_home[plan.row].view(num_tokens, top_k, y_home.shape[-1]) * topk_weights.unsqueeze(-1)
+    return weighted.sum(dim=1).to(hidden.dtype), plan.global_counts()
 
 
 def ep_experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str,
@@ -395,40 +505,18 @@ def ep_experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, 
     """Gradients of `ep_experts` -> (d_hidden fp32 [T, H], d_topk_weights [T, k], d_gate_up_proj, d_down_proj of
     the local experts). Home: d_y = grad_out[token] * weight rows go to the experts with the token rows; the
     experts recompute y and send back y (for d_topk_weights, computed at home) and d_x (folded into d_hidden)."""
-    num_tokens, hidden_dim = hidden.shape
+    num_tokens, top_k = topk_ids.shape
     plan = _EpPlan(topk_ids, gate_up_proj.shape[0], group_name, ep_world_size)
     product_dtype = torch.promote_types(down_proj.dtype, topk_weights.dtype)
     w_sorted = topk_weights.reshape(-1)[plan.perm]
     g_sorted = grad_out.to(product_dtype)[plan.token]
     x = plan.dispatch(hidden[plan.token].to(gate_up_proj.dtype))
-    d_y_all = plan.dispatch((g_sorted * w_sorted.unsqueeze(-1)).to(down_proj.dtype))
-    y = x.new_empty(x.shape[0], hidden_dim, dtype=down_proj.dtype)
-    d_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    d_gate_up = torch.zeros_like(gate_up_proj)
-    d_down = torch.zeros_like(down_proj)
-    start = 0
-    for e, n in enumerate(plan.local_counts):
-        if not n:
-            continue
-        rows = slice(start, start + n)
-        gate, up, silu, act = _expert_up(x[rows], gate_up_proj[e], down_proj.dtype)
-        y[rows] = act @ down_proj[e].transpose(0, 1)
-        d_y = d_y_all[rows]
-        d_down[e] = d_y.transpose(0, 1) @ act
-        d_act = (d_y @ down_proj[e]).to(silu.dtype)
-        sig = torch.sigmoid(gate)
-        d_gate = d_act * up * (sig * (1 + gate * (1 - sig)))
-        d_h = torch.cat([d_gate, d_act * silu], dim=-1)
-        d_gate_up[e] = d_h.transpose(0, 1) @ x[rows]
-        d_x[rows] = (d_h @ gate_up_proj[e]).float()
-        start += n
+    d_y = plan.dispatch((g_sorted * w_sorted.unsqueeze(-1)).to(down_proj.dtype))
+    y, d_x, d_gate_up, d_down = _experts_grads(x, d_y, gate_up_proj, down_proj, plan.groups)
     y_home, d_x_home = plan.combine(y), plan.combine(d_x)
     d_w_sorted = (g_sorted * y_home.to(product_dtype)).float().sum(dim=-1)
-    d_hidden = torch.zeros(num_tokens, hidden_dim, dtype=torch.float32, device=hidden.device)
-    d_hidden.index_add_(0, plan.token, d_x_home)
-    d_weights = torch.empty_like(d_w_sorted)
-    d_weights[plan.perm] = d_w_sorted
-    return d_hidden, d_weights.view(topk_ids.shape).to(topk_weights.dtype), d_gate_up, d_down
+    d_weights = d_w_sorted[plan.row].view(topk_ids.shape).to(topk_weights.dtype)
+    return _fold(d_x_home, plan.row, num_tokens, top_k, torch.float32), d_weights, d_gate_up, d_down
 
 
 def _experts_any(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size):

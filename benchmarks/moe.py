@@ -5,6 +5,7 @@ impl and its fused kernels; the table says which ran), and dense GEMMs of the sa
     PYTHONPATH=. python3 benchmarks/moe.py                       # every layer x T, fwd and fwd+bwd, bf16
     PYTHONPATH=. python3 benchmarks/moe.py --only qwen3_235b --ts 16384 --json out.json --plot moe.png
     PYTHONPATH=. python3 benchmarks/moe.py --tiny                # CPU smoke run of the script itself (no timing)
+    PYTHONPATH=. python3 benchmarks/moe.py --ep 2,4,8 --ts 16384   # EP mode in SimWorld (benchmarks/moe_ep.py)
 
 Layers: Qwen3-30B-A3B (H 2048, I 768, 128 experts, top-8), Qwen3-235B (H 4096, I 1536, 128, top-8),
 DeepSeek-V3 (H 7168, I 2048, 256 experts, top-8, 1 shared expert; group-limited sigmoid router). Random weights
@@ -191,7 +192,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, fp32: checks the script runs (no timing)")
+    p.add_argument("--ep", default="", help="EP mode: comma-separated SimWorld sizes (benchmarks/moe_ep.py)")
     args = p.parse_args(argv)
+    if args.ep:
+        import moe_ep
+
+        return moe_ep.main([int(w) for w in args.ep.split(",")], [int(t) for t in args.ts.split(",")], args.only,
+                           args.warmup, args.rep, args.json)
     if not args.tiny and not torch.cuda.is_available():
         p.error("needs a CUDA GPU (or --tiny)")
     results = []

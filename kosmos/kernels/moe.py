@@ -319,14 +319,15 @@ CONFIGS = {
 }
 
 
-def select_config(hidden: torch.Tensor, gate_up_proj: torch.Tensor) -> MoeConfig:
+def select_config(hidden: torch.Tensor, gate_up_proj: torch.Tensor, num_experts: Optional[int] = None) -> MoeConfig:
+    """num_experts: the router's experts (default gate_up_proj's; more under expert parallelism)."""
     if runtime.interpreting():
         return CONFIGS["interpret"]
     if gate_up_proj.dtype == torch.float32:
         cfg = CONFIGS["fp32" if input_precision(torch.float32) == "tf32" else "fp32_ieee"]
     else:
         cfg = CONFIGS["default"]
-    if gate_up_proj.shape[0] > 128 and cfg.bt > 32:
+    if (num_experts or gate_up_proj.shape[0]) > 128 and cfg.bt > 32:
         cfg = dataclasses.replace(cfg, bt=32)  # [BT, E] router tiles of 256 experts: keep them small
     return cfg
 

@@ -45,7 +45,7 @@ MAX_WORLD = 64
 FLAGS_OFF_WORDS = CTRL_WORDS
 DATA_ALIGN = 512
 
-OP_IDS = {"ag_gemm": 1, "gemm_rs": 2}
+OP_IDS = {"ag_gemm": 1, "gemm_rs": 2, "moe_layer": 3, "moe_layer_backward": 4}
 OP_NAMES = {v: k for k, v in OP_IDS.items()}
 
 _DEFAULT_TIMEOUT_S = 300.0
@@ -308,6 +308,37 @@ class SimWorld:
 
         return gemm_rs_sim(self, inputs, weights, bias, reduce_op, out_dtype=out_dtype, programs=programs,
                            straggler=straggler, drop_signal=drop_signal, out=out)
+
+    def moe_layer(self, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
+                  scoring="softmax", norm_topk_prob=True, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                  router_dtype=None, return_router_logits=False, *, programs=None, straggler=None, drop_signal=None,
+                  return_routing=False, config=None):
+        """Expert-parallel MoE forward of W ranks (kosmos::moe_layer's semantics with an EP group of W).
+        hidden [W, T, H] (rank r's own tokens), router_weight [E, H] and the biases shared, gate_up_proj
+        [W, E/W, 2I, H] and down_proj [W, E/W, H, I] (rank r owns experts [r*E/W, (r+1)*E/W)). Returns
+        (out [W, T, H], router_logits [W, T or 0, E], tokens_per_expert [W, E], global)
+        (+ (topk_ids, topk_weights) [W, T, k] with return_routing)."""
+        from kosmos.kernels.moe_ep import moe_ep_forward
+
+        return moe_ep_forward(self.workspace, 0, hidden, router_weight, router_bias, score_correction_bias,
+                              gate_up_proj, down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group,
+                              routed_scaling_factor, router_dtype, "silu", return_router_logits, programs=programs,
+                              straggler=straggler, drop_signal=drop_signal, return_routing=return_routing,
+                              config=config)
+
+    def moe_layer_backward(self, grad_out, grad_router_logits, hidden, router_weight, router_bias,
+                           score_correction_bias, gate_up_proj, down_proj, top_k, scoring="softmax",
+                           norm_topk_prob=True, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
+                           *, programs=None, straggler=None, drop_signal=None, config=None):
+        """Expert-parallel MoE backward of W ranks (shapes as moe_layer; grad_out [W, T, H], grad_router_logits
+        [W, T, E] or None) -> [d_hidden [W, T, H], d_router_weight [W, E, H], d_gate_up_proj [W, E/W, 2I, H],
+        d_down_proj [W, E/W, H, I]] (+ [d_router_bias [W, E]]): each rank's share, as kosmos::moe_layer_backward."""
+        from kosmos.kernels.moe_ep_backward import moe_ep_backward
+
+        return moe_ep_backward(self.workspace, 0, grad_out, grad_router_logits, hidden, router_weight, router_bias,
+                               score_correction_bias, gate_up_proj, down_proj, top_k, scoring, norm_topk_prob,
+                               n_group, topk_group, routed_scaling_factor, router_dtype, "silu", programs=programs,
+                               straggler=straggler, drop_signal=drop_signal, config=config)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -169,18 +169,30 @@ def claim(ctrl):
 
 
 @triton.jit
-def finish_call(ctrl, ws_row, rank, world, epoch):
-    """Counts this program out; the last one of the rank resets the claim counter, stores the epoch and tells
-    every peer (FINISHED[rank] = epoch in its workspace) that this rank no longer touches their buffers."""
+def count_out(ctrl):
+    """Counts this program out of the call; True in the rank's last program (which must then end the call)."""
     tl.debug_barrier()
     old = tl.atomic_add(ctrl + CTRL_DONE, 1, sem="acq_rel", scope="sys")
-    if old == tl.num_programs(0) - 1:
-        tl.atomic_xchg(ctrl + CTRL_COUNTER, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctrl + CTRL_DONE, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ctrl + CTRL_EPOCH, epoch, sem="relaxed", scope="gpu")
-        for q in range(world):
-            peer = tl.load(ws_row + q).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(peer + CTRL_FINISHED + rank, epoch, sem="release", scope="sys")
+    return old == tl.num_programs(0) - 1
+
+
+@triton.jit
+def publish_finished(ctrl, ws_row, rank, world, epoch):
+    """Ends the call (the rank's last program): resets the claim counter and done count, stores the epoch and tells
+    every peer (FINISHED[rank] = epoch in its workspace) that this rank no longer touches their buffers."""
+    tl.atomic_xchg(ctrl + CTRL_COUNTER, 0, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ctrl + CTRL_DONE, 0, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(ctrl + CTRL_EPOCH, epoch, sem="relaxed", scope="gpu")
+    for q in range(world):
+        peer = tl.load(ws_row + q).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(peer + CTRL_FINISHED + rank, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def finish_call(ctrl, ws_row, rank, world, epoch):
+    """count_out + publish_finished: the end of every program of a call."""
+    if count_out(ctrl):
+        publish_finished(ctrl, ws_row, rank, world, epoch)
 
 
 @triton.jit

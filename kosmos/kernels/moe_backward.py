@@ -107,19 +107,21 @@ def _scatter_tile(tile, ids_ptr, rank_ptr, w_ptr, counts, sorted_tok, sorted_w, 
 
 
 @triton.jit
-def _rows_of(b, meta, sorted_tok, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+def _rows_of(b, meta, sorted_tok, E, spe, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Row block b -> (valid, expert, rows, row mask, token of each row). meta lists E segments of rows, spe
+    consecutive segments per expert (1 here; the EP backward's owner has one per source rank)."""
     valid, e, row0, row_end = _block_rows(b, meta, E, BM, BLOCK_E)
     rows = row0 + tl.arange(0, BM)
     rmask = (rows < row_end) & valid
     tok = tl.load(sorted_tok + rows, mask=rmask, other=0, cache_modifier=".cg").to(tl.int64)
-    return valid, e.to(tl.int64), rows.to(tl.int64), rmask, tok
+    return valid, (e // spe).to(tl.int64), rows.to(tl.int64), rmask, tok
 
 
 @triton.jit
-def _up_tile(b, ib, meta, sorted_tok, hidden, h_ld, gu, gu_ws, act, H, I, E,
+def _up_tile(b, ib, meta, sorted_tok, hidden, h_ld, gu, gu_ws, act, H, I, E, spe,
              BM: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr):
     W: tl.constexpr = gu.dtype.element_ty
-    valid, e, rows, rmask, tok = _rows_of(b, meta, sorted_tok, E, BM, BLOCK_E)
+    valid, e, rows, rmask, tok = _rows_of(b, meta, sorted_tok, E, spe, BM, BLOCK_E)
     if valid:
         cols = ib * BI + tl.arange(0, BI)
         cmask = cols < I
@@ -149,11 +151,11 @@ def _up_tile(b, ib, meta, sorted_tok, hidden, h_ld, gu, gu_ws, act, H, I, E,
 
 
 @triton.jit
-def _dy_tile(b, nb, meta, sorted_tok, sorted_w, act, down, grad_out, g_ld, d_y, dwp, H, I, E, n_hblk,
+def _dy_tile(b, nb, meta, sorted_tok, sorted_w, act, down, grad_out, g_ld, d_y, dwp, H, I, E, spe, n_hblk,
              BM: tl.constexpr, BN: tl.constexpr, BK2: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
              PD_F32: tl.constexpr):
     D: tl.constexpr = down.dtype.element_ty
-    valid, e, rows, rmask, tok = _rows_of(b, meta, sorted_tok, E, BM, BLOCK_E)
+    valid, e, rows, rmask, tok = _rows_of(b, meta, sorted_tok, E, spe, BM, BLOCK_E)
     if valid:
         hs = nb * BN + tl.arange(0, BN)
         hmask = hs < H
@@ -185,11 +187,11 @@ def _dy_tile(b, nb, meta, sorted_tok, sorted_w, act, down, grad_out, g_ld, d_y, 
 
 
 @triton.jit
-def _dact_tile(b, ib, meta, sorted_tok, d_y, down, gu_ws, H, I, E,
+def _dact_tile(b, ib, meta, sorted_tok, d_y, down, gu_ws, H, I, E, spe,
                BM: tl.constexpr, BI: tl.constexpr, BKH: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr,
                W_ROUND: tl.constexpr):
     W: tl.constexpr = gu_ws.dtype.element_ty
-    valid, e, rows, rmask, tok = _rows_of(b, meta, sorted_tok, E, BM, BLOCK_E)
+    valid, e, rows, rmask, tok = _rows_of(b, meta, sorted_tok, E, spe, BM, BLOCK_E)
     if valid:
         cols = ib * BI + tl.arange(0, BI)
         cmask = cols < I
@@ -221,9 +223,9 @@ def _dact_tile(b, ib, meta, sorted_tok, d_y, down, gu_ws, H, I, E,
 
 
 @triton.jit
-def _dx_tile(b, nb, meta, sorted_tok, d_h, gu, d_x, H, I, E,
+def _dx_tile(b, nb, meta, sorted_tok, d_h, gu, d_x, H, I, E, spe,
              BM: tl.constexpr, BN: tl.constexpr, BK3: tl.constexpr, BLOCK_E: tl.constexpr, PREC: tl.constexpr):
-    valid, e, rows, rmask, tok = _rows_of(b, meta, sorted_tok, E, BM, BLOCK_E)
+    valid, e, rows, rmask, tok = _rows_of(b, meta, sorted_tok, E, spe, BM, BLOCK_E)
     if valid:
         hs = nb * BN + tl.arange(0, BN)
         hmask = hs < H
@@ -242,38 +244,40 @@ def _dx_tile(b, nb, meta, sorted_tok, d_h, gu, d_x, H, I, E,
 
 
 @triton.jit
-def _wgrad_tile(e, ta, tb, flags, target, err, timeout_ns, meta, sorted_tok, a_ptr, NA, b_ptr, b_ld, NB, out, E,
+def _wgrad_tile(e, ta, tb, flags, target, err, timeout_ns, meta, sorted_tok, a_ptr, NA, b_ptr, b_ld, NB, out, E, spe,
                 GATHER_B: tl.constexpr, BM: tl.constexpr, BWA: tl.constexpr, BWB: tl.constexpr, PREC: tl.constexpr,
                 USE_ASM: tl.constexpr):
     """out[e][ta tile, tb tile] = sum over expert e's row blocks, IN ORDER, of A[rows, ta]^T @ B[rows, tb] (fp32),
     rounded once; waits flags[block] == target before each block. A: [T*k, NA] rows; B: [T*k, NB] rows, or with
-    GATHER_B the token rows of `b_ptr` (row stride b_ld) cast to A's dtype. An expert without rows gets zeros."""
-    start = tl.load(meta + e, cache_modifier=".cg")
-    cnt = tl.load(meta + E + e, cache_modifier=".cg")
-    nblk = (cnt + BM - 1) // BM
-    first = tl.load(meta + 2 * E + e, cache_modifier=".cg") - nblk
+    GATHER_B the token rows of `b_ptr` (row stride b_ld) cast to A's dtype. An expert without rows gets zeros.
+    The expert's rows are its spe consecutive segments of meta (E segments), walked in order."""
     ra = ta * BWA + tl.arange(0, BWA)
     rb = tb * BWB + tl.arange(0, BWB)
     amask = ra < NA
     bmask = rb < NB
     acc = tl.zeros((BWA, BWB), dtype=tl.float32)
     status = 0
-    for i in range(0, nblk):
-        if status == 0:
-            status = wait_flag(flags + first + i, target, err, timeout_ns, "gpu", USE_ASM)
+    for sg in range(e * spe, e * spe + spe):
+        start = tl.load(meta + sg, cache_modifier=".cg")
+        cnt = tl.load(meta + E + sg, cache_modifier=".cg")
+        nblk = (cnt + BM - 1) // BM
+        first = tl.load(meta + 2 * E + sg, cache_modifier=".cg") - nblk
+        for i in range(0, nblk):
             if status == 0:
-                rows = (start + i * BM + tl.arange(0, BM)).to(tl.int64)
-                rmask = rows < start + cnt
-                a = tl.load(a_ptr + rows[:, None] * NA + ra[None, :], mask=rmask[:, None] & amask[None, :],
-                            other=0.0, cache_modifier=".cg")
-                if GATHER_B:
-                    tok = tl.load(sorted_tok + rows, mask=rmask, other=0, cache_modifier=".cg").to(tl.int64)
-                    b = tl.load(b_ptr + tok[:, None] * b_ld + rb[None, :], mask=rmask[:, None] & bmask[None, :],
-                                other=0.0).to(a_ptr.dtype.element_ty)
-                else:
-                    b = tl.load(b_ptr + rows[:, None] * b_ld + rb[None, :], mask=rmask[:, None] & bmask[None, :],
+                status = wait_flag(flags + first + i, target, err, timeout_ns, "gpu", USE_ASM)
+                if status == 0:
+                    rows = (start + i * BM + tl.arange(0, BM)).to(tl.int64)
+                    rmask = rows < start + cnt
+                    a = tl.load(a_ptr + rows[:, None] * NA + ra[None, :], mask=rmask[:, None] & amask[None, :],
                                 other=0.0, cache_modifier=".cg")
-                acc = tl.dot(tl.trans(a), b, acc, input_precision=PREC)
+                    if GATHER_B:
+                        tok = tl.load(sorted_tok + rows, mask=rmask, other=0, cache_modifier=".cg").to(tl.int64)
+                        b = tl.load(b_ptr + tok[:, None] * b_ld + rb[None, :], mask=rmask[:, None] & bmask[None, :],
+                                    other=0.0).to(a_ptr.dtype.element_ty)
+                    else:
+                        b = tl.load(b_ptr + rows[:, None] * b_ld + rb[None, :], mask=rmask[:, None] & bmask[None, :],
+                                    other=0.0, cache_modifier=".cg")
+                    acc = tl.dot(tl.trans(a), b, acc, input_precision=PREC)
     if status == 0:
         tl.store(out + e.to(tl.int64) * NA * NB + ra[:, None].to(tl.int64) * NB + rb[None, :],
                  acc.to(out.dtype.element_ty), mask=amask[:, None] & bmask[None, :])
@@ -451,7 +455,7 @@ def moe_backward_kernel(ctrl, err_host, timeout_ns,
             if status == 0:
                 u = t - up0
                 b = u // n_iblk
-                _up_tile(b, u - b * n_iblk, meta, sorted_tok, hidden, h_ld, gu, gu_ws, act, H, I, E,
+                _up_tile(b, u - b * n_iblk, meta, sorted_tok, hidden, h_ld, gu, gu_ws, act, H, I, E, 1,
                          BM, BI, BK, BLOCK_E, UP_PRECISION)
                 _signal(up_done + b, USE_ASM)
         elif t < dact0:  # ---- DY
@@ -460,14 +464,14 @@ def moe_backward_kernel(ctrl, err_host, timeout_ns,
             status = wait_flag(up_done + b, n_iblk, err, timeout_ns, "gpu", USE_ASM)
             if status == 0:
                 _dy_tile(b, d - b * n_hblk, meta, sorted_tok, sorted_w, act, down, grad_out, g_ld, d_y, dwp,
-                         H, I, E, n_hblk, BM, BN, BK2, BLOCK_E, DOWN_PRECISION, PD_F32)
+                         H, I, E, 1, n_hblk, BM, BN, BK2, BLOCK_E, DOWN_PRECISION, PD_F32)
                 _signal(dy_done + b, USE_ASM)
         elif t < wd0:  # ---- DACT
             d = t - dact0
             b = d // n_iblk
             status = wait_flag(dy_done + b, n_hblk, err, timeout_ns, "gpu", USE_ASM)
             if status == 0:
-                _dact_tile(b, d - b * n_iblk, meta, sorted_tok, d_y, down, gu_ws, H, I, E, BM, BI, BKH, BLOCK_E,
+                _dact_tile(b, d - b * n_iblk, meta, sorted_tok, d_y, down, gu_ws, H, I, E, 1, BM, BI, BKH, BLOCK_E,
                            DOWN_PRECISION, W_ROUND)
                 _signal(dact_done + b, USE_ASM)
         elif t < dx0:  # ---- WDOWN
@@ -479,13 +483,13 @@ def moe_backward_kernel(ctrl, err_host, timeout_ns,
                 r = d - e * per_e
                 th = r // n_wd_i
                 status = _wgrad_tile(e, th, r - th * n_wd_i, dy_done, n_hblk, err, timeout_ns, meta, sorted_tok,
-                                     d_y, H, act, I, I, d_down, E, False, BM, BWA, BWB, DOWN_PRECISION, USE_ASM)
+                                     d_y, H, act, I, I, d_down, E, 1, False, BM, BWA, BWB, DOWN_PRECISION, USE_ASM)
         elif t < wg0:  # ---- DX
             d = t - dx0
             b = d // n_hblk
             status = wait_flag(dact_done + b, n_iblk, err, timeout_ns, "gpu", USE_ASM)
             if status == 0:
-                _dx_tile(b, d - b * n_hblk, meta, sorted_tok, gu_ws, gu, d_x, H, I, E, BM, BN, BK3, BLOCK_E,
+                _dx_tile(b, d - b * n_hblk, meta, sorted_tok, gu_ws, gu, d_x, H, I, E, 1, BM, BN, BK3, BLOCK_E,
                          UP_PRECISION)
                 _signal(ctrl + C_DXED, USE_ASM)
         elif t < fold0:  # ---- WGU
@@ -497,7 +501,7 @@ def moe_backward_kernel(ctrl, err_host, timeout_ns,
                 r = d - e * per_e
                 tr = r // n_wg_h
                 status = _wgrad_tile(e, tr, r - tr * n_wg_h, dact_done, n_iblk, err, timeout_ns, meta, sorted_tok,
-                                     gu_ws, 2 * I, hidden, h_ld, H, d_gu, E, True, BM, BWA, BWB, UP_PRECISION,
+                                     gu_ws, 2 * I, hidden, h_ld, H, d_gu, E, 1, True, BM, BWA, BWB, UP_PRECISION,
                                      USE_ASM)
         elif t < wr0:  # ---- FOLD
             status = wait_flag(ctrl + C_DXED, mb * n_hblk, err, timeout_ns, "gpu", USE_ASM)
@@ -564,7 +568,8 @@ CONFIGS = {
 }
 
 
-def select_config(gate_up_proj: torch.Tensor) -> MoeBackwardConfig:
+def select_config(gate_up_proj: torch.Tensor, num_experts: Optional[int] = None) -> MoeBackwardConfig:
+    """num_experts: the router's experts (default gate_up_proj's; more under expert parallelism)."""
     from kosmos.kernels.gemm import input_precision
 
     if runtime.interpreting():
@@ -573,7 +578,7 @@ def select_config(gate_up_proj: torch.Tensor) -> MoeBackwardConfig:
         cfg = CONFIGS["fp32" if input_precision(torch.float32) == "tf32" else "fp32_ieee"]
     else:
         cfg = CONFIGS["default"]
-    if gate_up_proj.shape[0] > 128 and cfg.bt > 32:
+    if (num_experts or gate_up_proj.shape[0]) > 128 and cfg.bt > 32:
         cfg = dataclasses.replace(cfg, bt=32)
     return cfg
 

@@ -1,0 +1,185 @@
+"""The expert-parallel fused MoE kernels (kosmos.kernels.moe_ep forward, kosmos.kernels.moe_ep_backward) on the CPU
+under TRITON_INTERPRET=1 with one simulated rank (W=1: the interpreter runs programs one after another, so a rank can
+never wait for another rank there; W in {2, 4, 8} runs on the GPU, tests/test_moe_ep_gpu.py and
+tests/test_moe_ep_backward_gpu.py). Still, W=1 runs every task of the protocol: counts published to itself, rows
+dispatched into its receive region, the owner scan, expert tiles, results pushed back, the fold.
+
+Against the reference `route` + `experts` of kosmos.ops.moe; fp16 / fp32 only (the interpreter's tl.dot on bf16
+multiplies raw bits). All cases run in ONE subprocess (TRITON_INTERPRET must be set before triton is imported).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+CASES = ["softmax_top2_fp16", "deepseek_router_fp32", "all_on_one_expert_top1", "counters_zeroed_epochs_advance",
+         "missing_signal_raises", "backward_equals_non_ep_kernel_fp16", "backward_deepseek_fp32_glog"]
+
+
+def _inputs(torch, T, H, I, E, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(1, T, H, generator=g).to(dtype)
+    rw = (torch.randn(E, H, generator=g) * 0.5).to(dtype)
+    gu = (torch.randn(1, E, 2 * I, H, generator=g) * 0.2).to(dtype)
+    d = (torch.randn(1, E, H, I, generator=g) * 0.2).to(dtype)
+    return h, rw, gu, d
+
+
+def _check(torch, sw, h, rw, gu, d, top_k, tol, **kw):
+    from kosmos.ops.moe import experts, route
+
+    ref_kw = {k: kw[k] for k in ("router_bias", "score_correction_bias") if k in kw}
+    scoring = kw.get("scoring", "softmax")
+    logits, ids, w = route(h[0], rw, ref_kw.get("router_bias"), ref_kw.get("score_correction_bias"), top_k, scoring,
+                           kw.get("norm_topk_prob", True), kw.get("n_group", 1), kw.get("topk_group", 1),
+                           kw.get("routed_scaling_factor", 1.0), None)
+    ref, counts = experts(h[0], ids, w, gu[0], d[0])
+    runs = [sw.moe_layer(h, rw, ref_kw.get("router_bias"), ref_kw.get("score_correction_bias"), gu, d, top_k,
+                         scoring, kw.get("norm_topk_prob", True), kw.get("n_group", 1), kw.get("topk_group", 1),
+                         kw.get("routed_scaling_factor", 1.0), return_router_logits=True, return_routing=True,
+                         programs=p) for p in (1, 3)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), "grid sizes not bit-identical"
+    out, lg, tpe, kid, kw_ = runs[0]
+    assert torch.allclose(lg[0].float(), logits.float(), rtol=1e-3, atol=1e-3)
+    assert torch.equal(kid[0].long().sort(1).values, ids.sort(1).values), "routing differs"
+    assert torch.equal(tpe[0], counts), (tpe, counts)
+    err = float((out[0].double() - ref.double()).norm() / ref.double().norm())
+    assert err <= tol, err
+    return {"err": err, "counts": tpe[0].tolist()}
+
+
+def case_softmax_top2_fp16(torch, SimWorld):
+    h, rw, gu, d = _inputs(torch, 37, 32, 32, 8, torch.float16, 0)
+    return _check(torch, SimWorld(1, device="cpu"), h, rw, gu, d, 2, 3e-3)
+
+
+def case_deepseek_router_fp32(torch, SimWorld):
+    h, rw, gu, d = _inputs(torch, 20, 32, 16, 16, torch.float32, 1)
+    corr = torch.randn(16) * 0.1
+    return _check(torch, SimWorld(1, device="cpu"), h, rw, gu, d, 4, 1e-5, score_correction_bias=corr,
+                  scoring="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5)
+
+
+def case_all_on_one_expert_top1(torch, SimWorld):
+    h, rw, gu, d = _inputs(torch, 40, 32, 32, 8, torch.float16, 2)
+    bias = torch.zeros(8, dtype=torch.float16)
+    bias[5] = 60.0
+    r = _check(torch, SimWorld(1, device="cpu"), h, rw, gu, d, 1, 3e-3, router_bias=bias)
+    assert r["counts"] == [0, 0, 0, 0, 0, 40, 0, 0], r
+    return r
+
+
+def case_counters_zeroed_epochs_advance(torch, SimWorld):
+    from kosmos.kernels import moe_ep
+
+    sw = SimWorld(1, device="cpu")
+    h, rw, gu, d = _inputs(torch, 17, 32, 32, 8, torch.float16, 3)
+    for i in range(3):
+        sw.moe_layer(h, rw, None, None, gu, d, 2)
+        assert sw.workspace.epochs() == [i + 1]
+    lctl = moe_ep._local_counters(sw.workspace, 1)
+    assert int(lctl.abs().sum()) == 0, lctl
+    ctrl = sw.workspace.buffers[0][:512].view(torch.int32)
+    assert ctrl[0].item() == 0 and ctrl[1].item() == 0  # claim counter and done count reset
+    return {"epochs": sw.workspace.epochs()}
+
+
+def case_missing_signal_raises(torch, SimWorld):
+    from kosmos.kernels import runtime
+
+    sw = SimWorld(1, device="cpu")
+    h, rw, gu, d = _inputs(torch, 17, 32, 32, 8, torch.float16, 4)
+    n_tiles = 2  # T=17 in tiles of the interpreter config's 16 tokens; the SCAN task is task n_tiles
+    runtime.set_spin_timeout(0.05)
+    try:
+        try:
+            sw.moe_layer(h, rw, None, None, gu, d, 2, drop_signal=(0, n_tiles))
+            sw.workspace.check()
+        except runtime.KernelTimeout as e:
+            msg = str(e)
+        else:
+            raise AssertionError("no KernelTimeout")
+        assert "moe_layer" in msg and "rank 0" in msg, msg
+        try:
+            sw.moe_layer(h, rw, None, None, gu, d, 2)
+        except runtime.WorkspaceBroken:
+            pass
+        else:
+            raise AssertionError("a broken workspace took another call")
+    finally:
+        runtime.set_spin_timeout(None)
+    return {"msg": msg}
+
+
+def _backward_vs_non_ep(torch, SimWorld, dtype, top_k, seed, **kw):
+    """At W=1 the EP backward runs the same tiles in the same orders as the non-EP fused backward (itself checked
+    against the reference in test_moe_backward_interpret.py): every gradient must be bit-identical."""
+    from kosmos.kernels.moe_backward import moe_backward
+
+    h, rw, gu, d = _inputs(torch, 21, 32, 16, 8, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    go = torch.randn(1, 21, 32, generator=g).to(dtype)
+    rb = (torch.randn(8, generator=g) * 0.1).to(dtype)
+    glog = torch.randn(1, 21, 8, generator=g).to(dtype) if kw.pop("glog", False) else None
+    sw = SimWorld(1, device="cpu")
+    args = (rb, kw.pop("correction", None), gu, d, top_k, kw.get("scoring", "softmax"), True, kw.get("n_group", 1),
+            kw.get("topk_group", 1), kw.get("rsf", 1.0))
+    ref = moe_backward(go[0], glog[0] if glog is not None else None, h[0], rw, args[0], args[1], gu[0], d[0],
+                       *args[4:], programs=1)
+    for p in (1, 3):
+        got = sw.moe_layer_backward(go, glog, h, rw, *args, programs=p)
+        for name, a, b in zip(["d_hidden", "d_router_weight", "d_gate_up_proj", "d_down_proj", "d_router_bias"],
+                              got, ref):
+            assert torch.equal(a[0], b), f"{name} differs from the non-EP kernel (programs={p})"
+    return {"epochs": sw.workspace.epochs()}
+
+
+def case_backward_equals_non_ep_kernel_fp16(torch, SimWorld):
+    return _backward_vs_non_ep(torch, SimWorld, torch.float16, 2, 5)
+
+
+def case_backward_deepseek_fp32_glog(torch, SimWorld):
+    return _backward_vs_non_ep(torch, SimWorld, torch.float32, 4, 6, correction=torch.randn(8) * 0.1,
+                               scoring="sigmoid", n_group=2, topk_group=1, rsf=2.5, glog=True)
+
+
+def _main():
+    import torch
+
+    from kosmos.kernels.runtime import SimWorld
+
+    report = {}
+    for name in CASES:
+        try:
+            report[name] = {"ok": True, **globals()["case_" + name](torch, SimWorld)}
+        except Exception as e:  # noqa: BLE001
+            report[name] = {"ok": False, "error": repr(e), "tb": traceback.format_exc()}
+    print("REPORT " + json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def report():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
+    assert lines, f"no report (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1][len("REPORT "):])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_interpreted_case(report, case):
+    r = report[case]
+    assert r["ok"], r.get("error", "") + "\n" + r.get("tb", "")
+
+
+if __name__ == "__main__":
+    _main()

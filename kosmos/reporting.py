@@ -36,6 +36,7 @@ class Report:
 
     records: list[PassRecord]
     runtime: dict  # (op, impl, reason) -> calls
+    workspaces: dict = dataclasses.field(default_factory=dict)  # name -> {"bytes": n, "uses": {kernel: formula}}
 
     @property
     def rewrites(self) -> list[PassRecord]:
@@ -53,6 +54,9 @@ class Report:
         lines += ["  " + r.line() for r in self.records]
         for (op, impl, reason), n in sorted(self.runtime.items()):
             lines.append(f"  run: {op} -> {impl} x{n} ({reason})")
+        for name, w in sorted(self.workspaces.items()):
+            lines.append(f"  workspace {name}: {w['bytes']} bytes per GPU")
+            lines += [f"    {user}: {text}" for user, text in sorted(w["uses"].items())]
         return "\n".join(lines)
 
 
@@ -77,8 +81,10 @@ def record_run(op: str, impl: str, reason: str) -> None:
 
 
 def report() -> Report:
+    from kosmos.kernels.runtime import workspace_report  # torch only: no Triton import
+
     with _lock:
-        return Report(list(_records), dict(_runtime))
+        return Report(list(_records), dict(_runtime), workspace_report())
 
 
 def reset() -> None:

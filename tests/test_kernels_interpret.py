@@ -26,7 +26,7 @@ import pytest
 CASES = ["ag_two_weights_bias", "ag_store_epilogue", "ag_row_major_rerun", "rs_sum_avg_pairs", "rs_one_pair_nobias",
          "missing_signal_raises", "epochs_advance", "ag_gather_dim1", "rs_scatter_dim1"]
 # multi-rank cases, one thread per rank (see _threaded_interpreter)
-THREAD_CASES = ["threads_ag_dim0", "threads_ag_dim1", "threads_rs_dim0", "threads_rs_dim1"]
+THREAD_CASES = ["threads_ag_dim0", "threads_ag_dim1", "threads_rs_dim0", "threads_rs_dim1", "threads_moe_ep"]
 
 
 def _rel(out, ref):
@@ -221,6 +221,7 @@ class _RankView:
         import torch
 
         self.world, self.local_ranks, self.n_local = ws.world, [r], 1
+        self.device = ws.device
         self.table = ws.table[r:r + 1].clone()
         self.layout = ws.layout
         self.err_host = torch.zeros(4, dtype=torch.int32)
@@ -234,6 +235,9 @@ class _RankView:
 
     def ensure(self, flag_words, data_bytes):
         assert flag_words <= self.layout.flag_words and data_bytes <= self.layout.data_bytes
+
+    def describe(self, user, text):
+        pass
 
 
 def _threaded_interpreter():
@@ -397,6 +401,66 @@ def case_threads_rs_dim1(torch, SimWorld):
     for W, lead, Ks, N, op in [(2, [2, 128], [32, 16], 40, "sum"), (3, [3, 192], [16], 24, "avg"),
                                (2, [2, 256], [16], 8, "sum"), (2, [3, 32, 4], [16], 24, "avg")]:
         res[f"W{W}_{lead}_{op}"] = _check_rs_ranks(torch, SimWorld, W, lead, Ks, N, 1, op, seed=22 + W)
+    return res
+
+
+def _moe_ep_inputs(torch, W, T, H, I, E, seed):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(W, T, H, generator=g).half()
+    rw = (torch.randn(E, H, generator=g) * 0.5).half()
+    gu = (torch.randn(E, 2 * I, H, generator=g) * 0.2).half()
+    d = (torch.randn(E, H, I, generator=g) * 0.2).half()
+    go = torch.randn(W, T, H, generator=g).half()
+    return h, rw, gu, d, go
+
+
+def case_threads_moe_ep(torch, SimWorld):
+    """The expert-parallel MoE kernels (kosmos.kernels.moe_ep / moe_ep_backward), W=2 and 3 ranks on threads:
+    counts exchanged, rows dispatched to the owners and results combined across ranks. Forward vs the reference
+    route + experts with all experts; backward vs the non-EP fused kernel per rank (d_hidden, router grads
+    bit-identical) and the per-rank sums of its expert grads."""
+    from kosmos.kernels.moe_backward import moe_backward
+    from kosmos.kernels.moe_ep import moe_ep_forward
+    from kosmos.kernels.moe_ep_backward import moe_ep_backward
+    from kosmos.ops.moe import experts, route
+
+    res = {}
+    for W, T, E, k, hot in [(2, 21, 8, 2, False), (3, 9, 6, 2, False), (2, 15, 8, 2, True)]:
+        h, rw, gu, d, go = _moe_ep_inputs(torch, W, T, 32, 16, E, seed=40 + W)
+        E_loc = E // W
+        rb = None
+        if hot:  # every routed row of the group on the last rank; the other ranks' experts get none
+            rb = torch.zeros(E, dtype=torch.float16)
+            rb[E - E_loc:] = 60.0
+        fwd, bwd = [None] * W, [None] * W
+
+        def fn(view, r):
+            gus, ds = gu[r * E_loc:(r + 1) * E_loc][None], d[r * E_loc:(r + 1) * E_loc][None]
+            fwd[r] = moe_ep_forward(view, r, h[r:r + 1], rw, rb, None, gus, ds, k, programs=1)
+            bwd[r] = moe_ep_backward(view, r, go[r:r + 1], None, h[r:r + 1], rw, rb, None, gus, ds, k, programs=1)
+
+        _run_ranks(SimWorld(W, device="cpu"), fn)
+        total = torch.zeros(E, dtype=torch.int32)
+        errs = []
+        sum_gu, sum_d = torch.zeros(gu.shape, dtype=torch.float64), torch.zeros(d.shape, dtype=torch.float64)
+        for r in range(W):
+            _, ids, w = route(h[r], rw, rb, None, k, "softmax", True, 1, 1, 1.0, None)
+            ref, counts = experts(h[r], ids, w, gu, d)
+            total += counts
+            errs.append(_rel(fwd[r][0][0], ref))
+            grads = moe_backward(go[r], None, h[r], rw, rb, None, gu, d, k, programs=1)
+            assert torch.equal(bwd[r][0][0], grads[0]) and torch.equal(bwd[r][1][0], grads[1]), f"rank {r}"
+            sum_gu += grads[2].double()
+            sum_d += grads[3].double()
+        for r in range(W):
+            assert torch.equal(fwd[r][2][0], total), (r, fwd[r][2], total)
+            sl = slice(r * E_loc, (r + 1) * E_loc)
+            if hot and r < W - 1:
+                assert bwd[r][2].abs().max() == 0 and bwd[r][3].abs().max() == 0, "experts without rows"
+            else:
+                errs += [_rel(bwd[r][2][0], sum_gu[sl]), _rel(bwd[r][3][0], sum_d[sl])]
+        assert max(errs) < 3e-3, errs
+        res[f"W{W}{'_hot_rank' if hot else ''}"] = max(errs)
     return res
 
 

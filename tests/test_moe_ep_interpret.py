@@ -90,6 +90,10 @@ def case_counters_zeroed_epochs_advance(torch, SimWorld):
     assert int(lctl.abs().sum()) == 0, lctl
     ctrl = sw.workspace.buffers[0][:512].view(torch.int32)
     assert ctrl[0].item() == 0 and ctrl[1].item() == 0  # claim counter and done count reset
+    from kosmos.reporting import report
+
+    text = str(report())  # the explain report shows the workspace and the EP buffers' formula
+    assert "moe_layer EP forward: counts 4*W*E + receive rows W*T*k*H*2" in text, text
     return {"epochs": sw.workspace.epochs()}
 
 

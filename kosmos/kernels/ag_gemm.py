@@ -402,6 +402,8 @@ def launch(ws: runtime.Workspace, rank_base: int, a: _RankTensor, m: int, K: int
         key, lambda: [queue.ag_gemm_stream(r, world, nmb, n_blocks, la) for r in ranks], device)
     n_tasks = stream.shape[1]
     ws.ensure(world * nmb, m * K * a.t.element_size())
+    ws.describe("ag_gemm", f"staged local shard m*K*{a.t.element_size()} (m={m} K={K}) = "
+                f"{m * K * a.t.element_size()} bytes per rank")
     interp = runtime.interpreting()
     if not interp:
         runtime.ensure_allocator()

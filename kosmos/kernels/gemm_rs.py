@@ -236,6 +236,8 @@ def launch(ws: runtime.Workspace, rank_base: int, xs: Sequence[_RankTensor], ks:
     stream = runtime.cached_stream(key, lambda: [queue.gemm_rs_stream(r, world, nmb, nnb) for r in ranks], device)
     n_tasks = stream.shape[1]
     ws.ensure(world * nmb * nnb, world * mo * N * xs[0].t.element_size())
+    ws.describe("gemm_rs", f"partial slots W*(M/W)*N*{xs[0].t.element_size()} (W={world} M/W={mo} N={N}) = "
+                f"{world * mo * N * xs[0].t.element_size()} bytes per rank")
     interp = runtime.interpreting()
     if not interp:
         runtime.ensure_allocator()

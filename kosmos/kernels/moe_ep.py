@@ -472,6 +472,9 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
     mbo = max_blocks(world * src_rows, E, cfg.bm)
     lay = ep_layout(world, E, T, top_k, H, gate_up_proj.element_size(), down_proj.element_size())
     ws.ensure(3 * world, lay.nbytes)
+    ws.describe("moe_layer EP forward", f"counts 4*W*E + receive rows W*T*k*H*{gate_up_proj.element_size()} + "
+                f"combine rows T*k*H*{down_proj.element_size()} (W={world} T={T} k={top_k} H={H} E={E}) = "
+                f"{lay.nbytes} bytes per rank")
     lctl = _local_counters(ws, L_HEAD + mbo)
     i32 = dict(dtype=torch.int32, device=device)
     logits = torch.empty(n_local, T if return_router_logits else 0, E, dtype=rd, device=device)

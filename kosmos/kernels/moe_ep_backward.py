@@ -388,6 +388,10 @@ def moe_ep_backward(ws: runtime.Workspace, rank_base: int, grad_out: torch.Tenso
     WT, D = gate_up_proj.dtype, down_proj.dtype
     lay = ep_backward_layout(world, E, T, top_k, H, n_hblk, gate_up_proj.element_size(), grad_out.element_size())
     ws.ensure(3 * world, lay.nbytes)
+    ws.describe("moe_layer EP backward", f"counts 4*W*E + receive rows W*T*k*H*{gate_up_proj.element_size()} + "
+                f"receive grads W*T*k*H*{grad_out.element_size()} + receive weights W*T*k*4 + combine d_x "
+                f"T*k*H*{gate_up_proj.element_size()} + combine d_w T*k*n_hblk*4 (W={world} T={T} k={top_k} H={H} "
+                f"E={E} n_hblk={n_hblk}) = {lay.nbytes} bytes per rank")
     lctl = _local_counters(ws, L_HEAD + 3 * mbo)
     ident = _identity_rows(rrows, device)
     i32 = dict(dtype=torch.int32, device=device)

@@ -128,6 +128,7 @@ class Workspace:
         self.buffers: list[torch.Tensor] = []
         self.table: Optional[torch.Tensor] = None
         self.bad: Optional[str] = None
+        self.uses: dict = {}  # kernel -> what it needs of the data region (formula and bytes), for the report
         self._handle = None
         self.lock = threading.Lock()
         pin = self.device.type == "cuda"
@@ -143,6 +144,10 @@ class Workspace:
     @property
     def n_local(self) -> int:
         return len(self.local_ranks)
+
+    def describe(self, user: str, text: str) -> None:
+        """Records what `user` (a kernel) needs of the data region, shown by the explain report."""
+        self.uses[user] = text
 
     def ensure(self, flag_words: int, data_bytes: int) -> None:
         """Grows the buffers (new, zeroed; epochs restart) if a call needs more flags or data."""
@@ -261,6 +266,14 @@ def workspace_bytes() -> dict:
     for sw in list(_simworlds):
         out[f"simworld:{id(sw):x}"] = sw.workspace.nbytes * sw.world
     return out
+
+
+def workspace_report() -> dict:
+    """{workspace name: {"bytes": bytes per GPU (all W ranks for a SimWorld), "uses": {kernel: formula}}}."""
+    live = {f"{g}@cuda:{d}": (ws, ws.nbytes) for (g, d), ws in _workspaces.items()}
+    for sw in list(_simworlds):
+        live[f"simworld:{id(sw):x}"] = (sw.workspace, sw.workspace.nbytes * sw.world)
+    return {name: {"bytes": n, "uses": dict(ws.uses)} for name, (ws, n) in live.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 # One device call: the GPU test suite and the pass tests on the machine's torch (in parallel groups: compiling
 # the kernels is CPU-bound), then the benchmarks one after another (timings need the GPU alone).
 #   bash benchmarks/run_gpu_suite.sh        (logs under $OUT, default /tmp/kosmos_gpu; short table last)
-# Steps can be left out: SKIP_TESTS=1, SKIP_PASS=1, SKIP_TP=1, SKIP_GEMM=1, SKIP_MOE=1; GEMM_ARGS / MOE_ARGS replace
-# the benchmarks' arguments. On the lent machine carry .whl (expecttest; see README) and start with:
+# Steps can be left out: SKIP_TESTS=1, SKIP_PASS=1, SKIP_TP=1, SKIP_GEMM=1, SKIP_MOE=1, SKIP_EP=1; GEMM_ARGS / MOE_ARGS /
+# EP_ARGS replace the benchmarks' arguments. On the lent machine carry .whl (expecttest; see README) and start with:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 # NVLink multicast stays off (it can take a host's GPUs out of service).
 set -o pipefail
@@ -15,12 +15,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
 PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -o faulthandler_timeout=100 --durations=8"
-rc_gpu=0 rc_pass=0 rc_tp=0 rc_gemm=0 rc_moe=0
+rc_gpu=0 rc_pass=0 rc_tp=0 rc_gemm=0 rc_moe=0 rc_ep=0
 
 # 1. every test marked gpu, in five groups at once; 2. pass snapshots and backend on this machine's torch
 run_group() {  # run_group N pytest-args...: one group in the background, its log tests_gpu_N.log
     local n=$1; shift
-    timeout ${TEST_TIMEOUT:-300} $PYTEST -m gpu "$@" --junitxml="$OUT/junit_gpu_$n.xml" > "$OUT/tests_gpu_$n.log" 2>&1 &
+    timeout ${TEST_TIMEOUT:-480} $PYTEST -m gpu "$@" --junitxml="$OUT/junit_gpu_$n.xml" > "$OUT/tests_gpu_$n.log" 2>&1 &
     pids[$n]=$!
     names[$n]="$*"
 }
@@ -31,7 +31,10 @@ if [ -z "$SKIP_TESTS" ]; then
     run_group 2 tests/test_moe_kernel_gpu.py
     run_group 3 tests/test_moe_backward_gpu.py
     run_group 4 tests --ignore tests/test_fused_gpu.py --ignore tests/test_gemm_gpu.py \
-        --ignore tests/test_moe_kernel_gpu.py --ignore tests/test_moe_backward_gpu.py
+        --ignore tests/test_moe_kernel_gpu.py --ignore tests/test_moe_backward_gpu.py \
+        --ignore tests/test_moe_ep_gpu.py --ignore tests/test_moe_ep_backward_gpu.py
+    run_group 5 tests/test_moe_ep_gpu.py
+    run_group 6 tests/test_moe_ep_backward_gpu.py
 fi
 if [ -z "$SKIP_PASS" ]; then
     timeout ${PASS_TIMEOUT:-300} $PYTEST tests/test_tp_sp_pass.py tests/test_tp_sp_hf.py tests/test_backend.py \
@@ -70,8 +73,14 @@ if [ -z "$SKIP_MOE" ]; then
         > "$OUT/bench_moe.log" 2>&1
     rc_moe=$?
 fi
+if [ -z "$SKIP_EP" ]; then
+    timeout ${EP_TIMEOUT:-200} python3 benchmarks/moe.py --ep ${EP_ARGS:-2,4,8 --ts 16384 --only qwen3_30b --json $OUT/moe_ep.json} \
+        > "$OUT/bench_moe_ep.log" 2>&1
+    rc_ep=$?
+fi
 [ -z "$SKIP_TP" ] && tail -15 "$OUT/bench_tp_sp.log"
 [ -z "$SKIP_GEMM" ] && tail -12 "$OUT/bench_gemm.log"
 [ -z "$SKIP_MOE" ] && tail -8 "$OUT/bench_moe.log"
-echo "gpu tests rc=$rc_gpu  pass tests rc=$rc_pass  tp_sp bench rc=$rc_tp  gemm bench rc=$rc_gemm  moe bench rc=$rc_moe"
-exit $(( rc_gpu != 0 || rc_pass != 0 || rc_tp != 0 || rc_gemm != 0 || rc_moe != 0 ))
+[ -z "$SKIP_EP" ] && tail -5 "$OUT/bench_moe_ep.log"
+echo "gpu tests rc=$rc_gpu  pass tests rc=$rc_pass  tp_sp bench rc=$rc_tp  gemm bench rc=$rc_gemm  moe bench rc=$rc_moe  moe ep bench rc=$rc_ep"
+exit $(( rc_gpu != 0 || rc_pass != 0 || rc_tp != 0 || rc_gemm != 0 || rc_moe != 0 || rc_ep != 0 ))

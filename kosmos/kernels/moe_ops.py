@@ -2,11 +2,15 @@
 `kosmos::moe_layer_backward` (backward: kosmos.kernels.moe_backward) through kosmos.ops.dispatch.
 
 Env KOSMOS_FUSED_MOE (read at each call) picks the directions that run fused: "forward" (default), "1" both,
-"0" neither. Both kernels pass their GPU tests on an H200; on its benchmark cells (benchmarks/RESULTS.md) the fused
-forward beats the op's reference impl everywhere, the fused backward only on the smallest layer (Qwen3-30B-A3B)
-and is 2.3x slower on Qwen3-235B, so the backward is opt-in. `why_not_*` also refuses, with the reason:
+"0" neither. Both kernels pass their GPU tests on an H200. On its benchmark cells (benchmarks/RESULTS.md) the fused
+backward is slower than the op's reference impl (3x on Qwen3-30B-A3B, 4x on Qwen3-235B since the reference runs
+grouped matmuls), so it is opt-in; the fused forward is faster than the reference on Qwen3-30B-A3B (3.98 vs 4.25
+ms) and DeepSeek-V3 (measured against the older, looping reference), slower on Qwen3-235B (13.10 vs 11.90).
+`why_not_*` also refuses, with the reason:
 - non-CUDA tensors, GPUs before sm_90 (TMA descriptors);
-- expert parallelism (ep_group_name set): the kernel has no all-to-all yet;
+- expert parallelism (ep_group_name set) on a real process group: the EP kernels (kosmos.kernels.moe_ep,
+  moe_ep_backward) pass their tests in SimWorld only and are not wired to real groups until they have run on
+  several GPUs;
 - n_group not a power of two (group-limited routing), activations other than silu;
 - dtypes other than bfloat16 / float16 / float32; gate_up_proj and down_proj of different dtypes; a product
   dtype promote(down_proj, logits) that is neither float32 nor down_proj's dtype;
@@ -107,7 +111,8 @@ def _device_reason(hidden, ep_group_name, ep_mode) -> Optional[str]:
     if torch.cuda.get_device_capability(hidden.device)[0] < 9:
         return "TMA descriptors need compute capability >= 9.0"
     if ep_group_name is not None:
-        return f"expert parallelism (ep_group_name={ep_group_name!r}, ep_mode={ep_mode!r}) is not fused yet"
+        return (f"expert parallelism (ep_group_name={ep_group_name!r}, ep_mode={ep_mode!r}): the EP kernels run in "
+                "SimWorld only until they have run on several GPUs")
     return None
 
 
@@ -157,8 +162,8 @@ def why_not_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weig
                                activation="silu", ep_group_name=None, ep_world_size=1,
                                ep_mode="all_to_all") -> Optional[str]:
     if not enabled("backward"):
-        return (f"fused MoE backward is opt-in ({ENV}=1): slower than this reference impl at Qwen3-235B dims on "
-                "an H200 (benchmarks/RESULTS.md)")
+        return (f"fused MoE backward is opt-in ({ENV}=1): slower than this reference impl on an H200 "
+                "(benchmarks/RESULTS.md)")
     reason = _device_reason(hidden, ep_group_name, ep_mode)
     if reason is not None:
         return reason

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Optional
+from typing import Optional
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,6 @@ SimWorld launches (P, W) with rank_base 0.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional, Sequence
 
 import torch

@@ -448,25 +448,17 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
     interp = runtime.interpreting()
     P = programs or (1 if interp or device.type != "cuda" else runtime.num_sms(device))
     P = max(1, min(P, n_tasks))
-    sigmoid = scoring == "sigmoid"
-    scaled = sigmoid or routed_scaling_factor != 1.0  # the reference's rule
-    score_dtype = torch.float32 if not sigmoid else rd
-    choice_dtype = score_dtype if score_correction_bias is None else torch.promote_types(score_dtype,
-                                                                                         score_correction_bias.dtype)
     args = (ctl.ctrl, ctl.err_host.data_ptr(), runtime.spin_timeout_ns(),
             hidden, hidden.stride(0), router_weight, router_weight.stride(0),
             router_bias if router_bias is not None else router_weight,
             score_correction_bias if score_correction_bias is not None else router_weight, gu_desc, down_desc, act_desc,
             logits_arg, ids, wts, ranks, counts, meta, tpe, sorted_tok, act, y, out, out.stride(0),
             T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles, mb)
-    meta_kw = dict(SIGMOID=sigmoid, HAS_CB=score_correction_bias is not None, N_GROUP=n_group, TOPK_GROUP=topk_group,
-                   SD_ROUND=score_dtype != torch.float32, CD_ROUND=choice_dtype != torch.float32,
-                   HAS_RB=router_bias is not None, RET_LOGITS=bool(return_router_logits), NORM=bool(norm_topk_prob),
-                   SCALED=scaled, TOP_K=top_k, KP=max(2, _next_pow2(top_k)), BLOCK_E=max(16, _next_pow2(E)),
-                   BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk, BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh,
-                   SCAN_T=cfg.scan_t, PD_F32=product == torch.float32,
-                   ROUTER_PRECISION=_precision(rd), UP_PRECISION=_precision(gate_up_proj.dtype),
-                   DOWN_PRECISION=_precision(down_proj.dtype), USE_ASM=not interp,
+    meta_kw = dict(**routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd,
+                                        router_bias, score_correction_bias, top_k, E, gate_up_proj.dtype,
+                                        down_proj.dtype),
+                   RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
+                   BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, USE_ASM=not interp,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P,)
     runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,
@@ -484,3 +476,23 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
 def _precision(dtype: torch.dtype) -> str:
     p = input_precision(dtype)
     return "ieee" if p == "ieee" else "tf32"
+
+
+def routing_constexprs(scoring: str, norm_topk_prob: bool, n_group: int, topk_group: int,
+                       routed_scaling_factor: float, rd: torch.dtype, router_bias, score_correction_bias, top_k: int,
+                       num_experts: int, gate_up_dtype: torch.dtype, down_dtype: torch.dtype) -> dict:
+    """The constexprs every MoE kernel (forward / backward, with or without EP) derives from the router's
+    arguments and the dtypes: scoring, selection, roundings (the reference's rules), tile widths of k and E, dot
+    precisions."""
+    sigmoid = scoring == "sigmoid"
+    score_dtype = torch.float32 if not sigmoid else rd
+    choice_dtype = score_dtype if score_correction_bias is None else torch.promote_types(score_dtype,
+                                                                                         score_correction_bias.dtype)
+    return dict(SIGMOID=sigmoid, HAS_CB=score_correction_bias is not None, N_GROUP=n_group, TOPK_GROUP=topk_group,
+                SD_ROUND=score_dtype != torch.float32, CD_ROUND=choice_dtype != torch.float32,
+                HAS_RB=router_bias is not None, NORM=bool(norm_topk_prob),
+                SCALED=sigmoid or routed_scaling_factor != 1.0,  # the reference's rule
+                TOP_K=top_k, KP=max(2, _next_pow2(top_k)), BLOCK_E=max(16, _next_pow2(num_experts)),
+                PD_F32=torch.promote_types(down_dtype, rd) == torch.float32,
+                ROUTER_PRECISION=_precision(rd), UP_PRECISION=_precision(gate_up_dtype),
+                DOWN_PRECISION=_precision(down_dtype))

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from kosmos.kernels import runtime
-from kosmos.kernels.moe import _Control, _block_rows, _next_pow2, _precision, _signal, max_blocks
+from kosmos.kernels.moe import _Control, _block_rows, _signal, max_blocks, routing_constexprs
 from kosmos.kernels.moe_route import _round, pair_rows, pick, route_tile, scan_counts
 from kosmos.kernels.signals import ERR_TIMEOUT, wait_flag
 
@@ -583,6 +583,12 @@ def select_config(gate_up_proj: torch.Tensor, num_experts: Optional[int] = None)
     return cfg
 
 
+def backward_tiles(cfg: MoeBackwardConfig) -> dict:
+    """The tile constexprs of a backward config."""
+    return dict(BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk, BN=cfg.bn, BK2=cfg.bk2, BKH=cfg.bkh,
+                BK3=cfg.bk3, BWA=cfg.bwa, BWB=cfg.bwb, BH=cfg.bh, BHR=cfg.bhr, SCAN_T=cfg.scan_t)
+
+
 def task_counts(T: int, H: int, I: int, E: int, top_k: int, cfg: MoeBackwardConfig) -> dict:
     """Tasks of each kind (host mirror of the kernel's layout)."""
     n_tiles = triton.cdiv(T, cfg.bt)
@@ -695,15 +701,9 @@ def moe_backward(grad_out: torch.Tensor, grad_router_logits: Optional[torch.Tens
     d_rb = torch.empty(E, dtype=router_bias.dtype, device=device) if router_bias is not None else None
     d_gu = torch.empty_like(gate_up_proj)
     d_down = torch.empty_like(down_proj)
-    product = torch.promote_types(D, rd)
     interp = runtime.interpreting()
     P = programs or (1 if interp or device.type != "cuda" else runtime.num_sms(device))
     P = max(1, min(P, n_tasks))
-    sigmoid = scoring == "sigmoid"
-    scaled = sigmoid or routed_scaling_factor != 1.0  # the reference's rule
-    score_dtype = torch.float32 if not sigmoid else rd
-    choice_dtype = score_dtype if score_correction_bias is None else torch.promote_types(score_dtype,
-                                                                                         score_correction_bias.dtype)
     args = (ctl.ctrl, ctl.err_host.data_ptr(), runtime.spin_timeout_ns(),
             grad_out, grad_out.stride(0), grad_router_logits if grad_router_logits is not None else grad_out,
             hidden, hidden.stride(0), router_weight, router_weight.stride(0),
@@ -712,14 +712,9 @@ def moe_backward(grad_out: torch.Tensor, grad_router_logits: Optional[torch.Tens
             logits, ids, wts, ranks, counts, meta, tpe, sorted_tok, sorted_w, gu_ws, act, d_y, dwp, d_x, dl_ws,
             d_hidden, d_hidden.stride(0), d_rw, d_rb if d_rb is not None else d_rw, d_gu, d_down,
             T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles, mb)
-    meta_kw = dict(SIGMOID=sigmoid, HAS_CB=score_correction_bias is not None, N_GROUP=n_group, TOPK_GROUP=topk_group,
-                   SD_ROUND=score_dtype != torch.float32, CD_ROUND=choice_dtype != torch.float32,
-                   HAS_RB=router_bias is not None, HAS_GLOG=grad_router_logits is not None,
-                   NORM=bool(norm_topk_prob), SCALED=scaled, TOP_K=top_k, KP=max(2, _next_pow2(top_k)),
-                   BLOCK_E=max(16, _next_pow2(E)), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
-                   BN=cfg.bn, BK2=cfg.bk2, BKH=cfg.bkh, BK3=cfg.bk3, BWA=cfg.bwa, BWB=cfg.bwb, BH=cfg.bh,
-                   BHR=cfg.bhr, SCAN_T=cfg.scan_t, PD_F32=product == torch.float32, W_ROUND=W != torch.float32,
-                   ROUTER_PRECISION=_precision(rd), UP_PRECISION=_precision(W), DOWN_PRECISION=_precision(D),
+    meta_kw = dict(**routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd,
+                                        router_bias, score_correction_bias, top_k, E, W, D),
+                   HAS_GLOG=grad_router_logits is not None, W_ROUND=W != torch.float32, **backward_tiles(cfg),
                    USE_ASM=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P,)
     runtime.check_grid_fits(moe_backward_kernel, ("moe_bwd", hidden.dtype, W, D, rd, grad_out.dtype,

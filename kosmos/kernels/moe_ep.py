@@ -66,7 +66,7 @@ import triton.language as tl
 from kosmos.kernels import runtime
 from kosmos.kernels.ag_gemm import ws_ptr
 from kosmos.kernels.gemm import gemm_tile
-from kosmos.kernels.moe import (MoeConfig, _block_rows, _fold_tile, _next_pow2, _precision, _signal, max_blocks,
+from kosmos.kernels.moe import (MoeConfig, _block_rows, _fold_tile, _signal, max_blocks, routing_constexprs,
                                 select_config)
 from kosmos.kernels.moe_route import pair_rows, pick, route_tile, scan_counts
 from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, ERR_TIMEOUT, claim, count_out, delay_ns, publish_finished,
@@ -487,18 +487,12 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
     tpe = torch.empty(n_local, E, **i32)
     act = torch.empty(n_local, world * src_rows, I, dtype=down_proj.dtype, device=device)
     out = torch.empty(n_local, T, H, dtype=hidden.dtype, device=device)
-    product = torch.promote_types(down_proj.dtype, rd)
     interp = runtime.interpreting()
     if not interp:
         runtime.ensure_allocator()
     n_tasks = 3 * n_tiles + 2 + mbo * (triton.cdiv(I, cfg.bi) + triton.cdiv(H, cfg.bn))
     P = programs or runtime.default_programs(device, n_local)
     P = max(1, min(P, n_tasks))
-    sigmoid = scoring == "sigmoid"
-    scaled = sigmoid or routed_scaling_factor != 1.0
-    score_dtype = torch.float32 if not sigmoid else rd
-    choice_dtype = score_dtype if score_correction_bias is None else torch.promote_types(score_dtype,
-                                                                                         score_correction_bias.dtype)
     s_rank, s_ns = straggler if straggler is not None else (-1, 0)
     d_rank, d_task = drop_signal if drop_signal is not None else (-1, -1)
     data_off = ws.layout.data_off
@@ -513,14 +507,11 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
             act, act.stride(0), out, out.stride(0), out.stride(1),
             T, H, I, E, E_loc, float(routed_scaling_factor), 1e-20, n_tiles, mbo, src_rows,
             runtime.FLAGS_OFF_WORDS, data_off, data_off + lay.recv, data_off + lay.combine)
-    meta_kw = dict(SIGMOID=sigmoid, HAS_CB=score_correction_bias is not None, N_GROUP=n_group, TOPK_GROUP=topk_group,
-                   SD_ROUND=score_dtype != torch.float32, CD_ROUND=choice_dtype != torch.float32,
-                   HAS_RB=router_bias is not None, RET_LOGITS=bool(return_router_logits), NORM=bool(norm_topk_prob),
-                   SCALED=scaled, TOP_K=top_k, KP=max(2, _next_pow2(top_k)), BLOCK_E=max(16, _next_pow2(E)),
-                   BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk, BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh,
-                   SCAN_T=cfg.scan_t, PD_F32=product == torch.float32,
-                   ROUTER_PRECISION=_precision(rd), UP_PRECISION=_precision(gate_up_proj.dtype),
-                   DOWN_PRECISION=_precision(down_proj.dtype), USE_ASM=not interp,
+    meta_kw = dict(**routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd,
+                                        router_bias, score_correction_bias, top_k, E, gate_up_proj.dtype,
+                                        down_proj.dtype),
+                   RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
+                   BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, USE_ASM=not interp,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P, n_local)
     runtime.check_grid_fits(moe_ep_forward_kernel, ("moe_ep_fwd", hidden.dtype, gate_up_proj.dtype, rd,

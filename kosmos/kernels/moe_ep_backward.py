@@ -41,9 +41,9 @@ import triton.language as tl
 
 from kosmos.kernels import runtime
 from kosmos.kernels.ag_gemm import ws_ptr
-from kosmos.kernels.moe import _block_rows, _next_pow2, _precision, _signal, max_blocks
+from kosmos.kernels.moe import _block_rows, _signal, max_blocks, routing_constexprs
 from kosmos.kernels.moe_backward import (MoeBackwardConfig, _dact_tile, _dx_tile, _dy_tile, _fold_tile, _up_tile,
-                                         _wgrad_tile, _wrouter_tile, select_config)
+                                         _wgrad_tile, _wrouter_tile, backward_tiles, select_config)
 from kosmos.kernels.moe_ep import (L_DISPATCHED, L_FOLDED, L_HEAD, L_OWNER_SCANNED, L_ROUTED, L_SCANNED, L_SENT,
                                    L_UP, OP_ID, _dispatch_tile, _local_counters, _owner_scan, _publish_counts,
                                    _round512, _segment, _wait_all)
@@ -411,18 +411,12 @@ def moe_ep_backward(ws: runtime.Workspace, rank_base: int, grad_out: torch.Tenso
     d_rb = torch.empty(n_local, E, dtype=router_bias.dtype, device=device) if router_bias is not None else None
     d_gu = torch.empty(n_local, E_loc, 2 * I, H, dtype=WT, device=device)
     d_down = torch.empty(n_local, E_loc, H, I, dtype=D, device=device)
-    product = torch.promote_types(D, rd)
     interp = runtime.interpreting()
     n_tasks = (3 * n_tiles + 2 + mbo * 2 * (triton.cdiv(I, cfg.bi) + n_hblk)
                + E_loc * (triton.cdiv(H, cfg.bwa) * triton.cdiv(I, cfg.bwb)
                           + triton.cdiv(2 * I, cfg.bwa) * triton.cdiv(H, cfg.bwb)) + triton.cdiv(H, cfg.bhr))
     P = programs or runtime.default_programs(device, n_local)
     P = max(1, min(P, n_tasks))
-    sigmoid = scoring == "sigmoid"
-    scaled = sigmoid or routed_scaling_factor != 1.0
-    score_dtype = torch.float32 if not sigmoid else rd
-    choice_dtype = score_dtype if score_correction_bias is None else torch.promote_types(score_dtype,
-                                                                                         score_correction_bias.dtype)
     s_rank, s_ns = straggler if straggler is not None else (-1, 0)
     d_rank, d_task = drop_signal if drop_signal is not None else (-1, -1)
     off = ws.layout.data_off
@@ -438,14 +432,9 @@ def moe_ep_backward(ws: runtime.Workspace, rank_base: int, grad_out: torch.Tenso
             d_hidden, d_hidden.stride(0), d_hidden.stride(1), d_rw, d_rb if d_rb is not None else d_rw, d_gu, d_down,
             T, H, I, E, E_loc, float(routed_scaling_factor), 1e-20, n_tiles, mbo, src_rows, runtime.FLAGS_OFF_WORDS,
             off, off + lay.recv, off + lay.recv_g, off + lay.recv_w, off + lay.comb_x, off + lay.comb_dw)
-    meta_kw = dict(SIGMOID=sigmoid, HAS_CB=score_correction_bias is not None, N_GROUP=n_group, TOPK_GROUP=topk_group,
-                   SD_ROUND=score_dtype != torch.float32, CD_ROUND=choice_dtype != torch.float32,
-                   HAS_RB=router_bias is not None, HAS_GLOG=grad_router_logits is not None,
-                   NORM=bool(norm_topk_prob), SCALED=scaled, TOP_K=top_k, KP=max(2, _next_pow2(top_k)),
-                   BLOCK_E=max(16, _next_pow2(E)), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
-                   BN=cfg.bn, BK2=cfg.bk2, BKH=cfg.bkh, BK3=cfg.bk3, BWA=cfg.bwa, BWB=cfg.bwb, BH=cfg.bh,
-                   BHR=cfg.bhr, SCAN_T=cfg.scan_t, PD_F32=product == torch.float32, W_ROUND=WT != torch.float32,
-                   ROUTER_PRECISION=_precision(rd), UP_PRECISION=_precision(WT), DOWN_PRECISION=_precision(D),
+    meta_kw = dict(**routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd,
+                                        router_bias, score_correction_bias, top_k, E, WT, D),
+                   HAS_GLOG=grad_router_logits is not None, W_ROUND=WT != torch.float32, **backward_tiles(cfg),
                    USE_ASM=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P, n_local)
     runtime.check_grid_fits(moe_ep_backward_kernel, ("moe_ep_bwd", hidden.dtype, WT, D, rd, grad_out.dtype,

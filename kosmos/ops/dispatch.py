@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from kosmos.kernels.runtime import KernelDoesNotFit
-from kosmos.reporting import PassRecord, record, record_run
+from kosmos.reporting import record_run
 
 # op name -> (why_not(*args) -> reason or None, run(*args))
 _fused: dict[str, tuple[Callable[..., Optional[str]], Callable]] = {}

@@ -34,7 +34,6 @@ rewritten) with the reason.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any
 
 import torch
@@ -42,7 +41,7 @@ import torch.fx as fx
 
 from kosmos.passes.autograd_fn import autograd_fn_kind, tensor_input
 from kosmos.passes.moe import (
-    _CASTS, _DIVS, KIND, LeftAlone, RouterConfig, _arg, _closed_region, _const, _describe, _dim_last, _dtype,
+    _CASTS, KIND, LeftAlone, RouterConfig, _arg, _closed_region, _const, _describe, _dim_last, _dtype,
     _expert_weight, _new, _NoMatch, _root, _router_linear, _shape, _val, _Walk, emit_moe_layer,
     insertion_point, op_name, planned_impl, strip_renorm)
 from kosmos.reporting import PassRecord, record

@@ -20,7 +20,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from kosmos.reporting import PassRecord, record, record_run
+from kosmos.reporting import PassRecord, record
 from kosmos.ops import dispatch
 from kosmos.options import KosmosOptions
 from kosmos.passes import graph_edit

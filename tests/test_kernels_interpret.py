@@ -239,6 +239,13 @@ class _RankView:
     def describe(self, user, text):
         pass
 
+    def local_counters(self, words):
+        import torch
+
+        if getattr(self, "_counters", None) is None or self._counters.shape[1] < words:
+            self._counters = torch.zeros(1, words, dtype=torch.int32)  # between calls: nothing is counting
+        return self._counters
+
 
 def _threaded_interpreter():
     """Makes the interpreter's grid index / grid size thread-local and leaves the language patched (each

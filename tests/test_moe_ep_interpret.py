@@ -79,14 +79,12 @@ def case_all_on_one_expert_top1(torch, SimWorld):
 
 
 def case_counters_zeroed_epochs_advance(torch, SimWorld):
-    from kosmos.kernels import moe_ep
-
     sw = SimWorld(1, device="cpu")
     h, rw, gu, d = _inputs(torch, 17, 32, 32, 8, torch.float16, 3)
     for i in range(3):
         sw.moe_layer(h, rw, None, None, gu, d, 2)
         assert sw.workspace.epochs() == [i + 1]
-    lctl = moe_ep._local_counters(sw.workspace, 1)
+    lctl = sw.workspace.local_counters(1)
     assert int(lctl.abs().sum()) == 0, lctl
     ctrl = sw.workspace.buffers[0][:512].view(torch.int32)
     assert ctrl[0].item() == 0 and ctrl[1].item() == 0  # claim counter and done count reset

@@ -44,7 +44,8 @@ with a fixed reduction order. Reruns are bit-identical whatever the grid and tim
 Counters: the claim counter, done count and epoch are the workspace control block's (kosmos.kernels.signals);
 flags counts / rows / combine [W] each hold epochs (never reset) at fixed words of the workspace flags; the local
 counters (routed, scanned, dispatched, owner-scanned, DOWN per source, up_done per block) live in a local int32
-tensor per rank, zeroed by the rank's last program at the end of the call, so a captured CUDA graph replays.
+tensor per rank (runtime.Workspace.local_counters), zeroed by the rank's last program at the end of the call, so a
+captured CUDA graph replays.
 Cross-call safety: no rank writes into a peer's workspace before the peer finished the previous call.
 
 Workspace data per rank: counts slots [W, E] int32 | receive rows [W * T*k, H] in gate_up_proj's dtype | combine rows
@@ -402,23 +403,6 @@ def ep_workspace_bytes(world: int, E: int, T: int, top_k: int, H: int, w_elt: in
     return ep_layout(world, E, T, top_k, H, w_elt, d_elt).nbytes
 
 
-_counters: dict = {}
-
-
-def _local_counters(ws: runtime.Workspace, words: int) -> torch.Tensor:
-    """The local counter rows [n_local, words+] of `ws`'s ranks (zeroed once; each call's last program re-zeroes)."""
-    key = id(ws)
-    c = _counters.get(key)
-    if c is None or c[0] is not ws or c[1].shape[1] < words:
-        if ws.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("kosmos moe_layer (EP): the local counters must grow during CUDA graph capture; run "
-                               "the op once with these shapes before capturing")
-        old = c[1].shape[1] if c is not None and c[0] is ws else 0
-        c = (ws, torch.zeros(ws.n_local, max(words, 2 * old), dtype=torch.int32, device=ws.device))
-        _counters[key] = c
-    return c[1]
-
-
 def ep_reason(hidden, router_weight, gate_up_proj, down_proj, world: int) -> Optional[str]:
     """Why the EP kernel cannot take these per-rank shapes (beyond moe_ops.kernel_reason), or None."""
     E_loc = gate_up_proj.shape[-3]
@@ -475,7 +459,7 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
     ws.describe("moe_layer EP forward", f"counts 4*W*E + receive rows W*T*k*H*{gate_up_proj.element_size()} + "
                 f"combine rows T*k*H*{down_proj.element_size()} (W={world} T={T} k={top_k} H={H} E={E}) = "
                 f"{lay.nbytes} bytes per rank")
-    lctl = _local_counters(ws, L_HEAD + mbo)
+    lctl = ws.local_counters(L_HEAD + mbo)
     i32 = dict(dtype=torch.int32, device=device)
     logits = torch.empty(n_local, T if return_router_logits else 0, E, dtype=rd, device=device)
     logits_arg = logits if return_router_logits else torch.empty(1, dtype=rd, device=device)

@@ -45,7 +45,7 @@ from kosmos.kernels.moe import _block_rows, _signal, max_blocks, routing_constex
 from kosmos.kernels.moe_backward import (MoeBackwardConfig, _dact_tile, _dx_tile, _dy_tile, _fold_tile, _up_tile,
                                          _wgrad_tile, _wrouter_tile, backward_tiles, select_config)
 from kosmos.kernels.moe_ep import (L_DISPATCHED, L_FOLDED, L_HEAD, L_OWNER_SCANNED, L_ROUTED, L_SCANNED, L_SENT,
-                                   L_UP, OP_ID, _dispatch_tile, _local_counters, _owner_scan, _publish_counts,
+                                   L_UP, OP_ID, _dispatch_tile, _owner_scan, _publish_counts,
                                    _round512, _segment, _wait_all)
 from kosmos.kernels.moe_route import route_tile, scan_counts
 from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, ERR_TIMEOUT, claim, count_out, delay_ns, publish_finished,
@@ -392,7 +392,7 @@ def moe_ep_backward(ws: runtime.Workspace, rank_base: int, grad_out: torch.Tenso
                 f"receive grads W*T*k*H*{grad_out.element_size()} + receive weights W*T*k*4 + combine d_x "
                 f"T*k*H*{gate_up_proj.element_size()} + combine d_w T*k*n_hblk*4 (W={world} T={T} k={top_k} H={H} "
                 f"E={E} n_hblk={n_hblk}) = {lay.nbytes} bytes per rank")
-    lctl = _local_counters(ws, L_HEAD + 3 * mbo)
+    lctl = ws.local_counters(L_HEAD + 3 * mbo)
     ident = _identity_rows(rrows, device)
     i32 = dict(dtype=torch.int32, device=device)
     logits = torch.empty(n_local, T, E, dtype=rd, device=device)

@@ -129,6 +129,7 @@ class Workspace:
         self.table: Optional[torch.Tensor] = None
         self.bad: Optional[str] = None
         self.uses: dict = {}  # kernel -> what it needs of the data region (formula and bytes), for the report
+        self._local_counters: Optional[torch.Tensor] = None
         self._handle = None
         self.lock = threading.Lock()
         pin = self.device.type == "cuda"
@@ -144,6 +145,20 @@ class Workspace:
     @property
     def n_local(self) -> int:
         return len(self.local_ranks)
+
+    def local_counters(self, words: int) -> torch.Tensor:
+        """int32 counters [n_local, >= words] of the ranks driven here that no peer touches (a kernel's task
+        counters), zeroed when allocated; a kernel that uses them zeroes them again at the end of its call. Grown
+        (new, zeroed) when a call needs more, never during CUDA graph capture."""
+        c = self._local_counters
+        if c is None or c.shape[1] < words:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"kosmos: the local counters of {self.group_name or 'SimWorld'} must grow to "
+                                   f"{words} words during CUDA graph capture; run the op once before capturing")
+            c = torch.zeros(self.n_local, max(words, 2 * (c.shape[1] if c is not None else 0)), dtype=torch.int32,
+                            device=self.device)
+            self._local_counters = c
+        return c
 
     def describe(self, user: str, text: str) -> None:
         """Records what `user` (a kernel) needs of the data region, shown by the explain report."""

@@ -344,31 +344,32 @@ def num_tasks(T: int, H: int, I: int, E: int, top_k: int, cfg: MoeConfig) -> int
 
 
 class _Control:
-    """Per-device control tensor (counters, error word) and its host-mapped error mirror."""
+    """Per-device control tensor of one op's kernel (counters, error word) and its host-mapped error mirror."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, op: str):
+        self.device, self.op = device, op
         self.ctrl = torch.zeros(CTRL_HEAD + 128, dtype=torch.int32, device=device)
         self.err_host = torch.zeros(4, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.bad: Optional[str] = None
         self.lock = threading.Lock()
 
-    def ensure(self, blocks: int) -> None:
-        if CTRL_HEAD + blocks <= self.ctrl.numel():
+    def ensure(self, words: int) -> None:
+        """Room for `words` per-block counters after the head (a new, zeroed tensor when it grows)."""
+        if CTRL_HEAD + words <= self.ctrl.numel():
             return
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"kosmos moe_forward: the control tensor must grow to {blocks} blocks during CUDA "
-                               "graph capture; run the op once with these shapes before capturing")
-        self.ctrl = torch.zeros(CTRL_HEAD + max(blocks, 2 * (self.ctrl.numel() - CTRL_HEAD)), dtype=torch.int32,
+            raise RuntimeError(f"kosmos {self.op}: the control tensor must grow to {words} words during CUDA graph "
+                               "capture; run the op once with these shapes before capturing")
+        self.ctrl = torch.zeros(CTRL_HEAD + max(words, 2 * (self.ctrl.numel() - CTRL_HEAD)), dtype=torch.int32,
                                 device=self.device)
 
     def check(self) -> None:
         if self.bad is not None:
-            raise runtime.WorkspaceBroken(f"kosmos moe_forward: control tensor unusable: {self.bad}")
+            raise runtime.WorkspaceBroken(f"kosmos {self.op}: control tensor unusable: {self.bad}")
         if int(self.err_host[0]) != 0:
             if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
                 torch.cuda.synchronize(self.device)
-            exc = runtime.KernelTimeout("moe_layer", 0, int(self.err_host[3]))
+            exc = runtime.KernelTimeout(self.op, 0, int(self.err_host[3]))
             self.bad = str(exc)
             raise exc
 
@@ -383,13 +384,14 @@ _controls: dict = {}
 _controls_lock = threading.Lock()
 
 
-def control(device: torch.device) -> _Control:
-    key = (device.type, device.index if device.index is not None else
+def control(device: torch.device, op: str = "moe_layer") -> _Control:
+    """The per-device control tensor of `op`'s kernel (the forward's and the backward's are separate)."""
+    key = (op, device.type, device.index if device.index is not None else
            (torch.cuda.current_device() if device.type == "cuda" else 0))
     with _controls_lock:
         c = _controls.get(key)
         if c is None:
-            c = _controls[key] = _Control(device)
+            c = _controls[key] = _Control(device, op)
         return c
 
 

@@ -62,6 +62,7 @@ import triton.language as tl
 
 from kosmos.kernels import runtime
 from kosmos.kernels.moe import _Control, _block_rows, _signal, max_blocks, routing_constexprs
+from kosmos.kernels.moe import control as _moe_control
 from kosmos.kernels.moe_route import _round, pair_rows, pick, route_tile, scan_counts
 from kosmos.kernels.signals import ERR_TIMEOUT, wait_flag
 
@@ -600,38 +601,9 @@ def task_counts(T: int, H: int, I: int, E: int, top_k: int, cfg: MoeBackwardConf
                 wrouter=triton.cdiv(H, cfg.bhr))
 
 
-class _BackwardControl(_Control):
-    def ensure(self, words: int) -> None:
-        if CTRL_HEAD + words <= self.ctrl.numel():
-            return
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"kosmos moe_backward: the control tensor must grow to {words} words during CUDA "
-                               "graph capture; run the op once with these shapes before capturing")
-        self.ctrl = torch.zeros(CTRL_HEAD + max(words, 2 * (self.ctrl.numel() - CTRL_HEAD)), dtype=torch.int32,
-                                device=self.device)
-
-    def check(self) -> None:
-        if self.bad is not None:
-            raise runtime.WorkspaceBroken(f"kosmos moe_backward: control tensor unusable: {self.bad}")
-        if int(self.err_host[0]) != 0:
-            if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-                torch.cuda.synchronize(self.device)
-            exc = runtime.KernelTimeout(OP_NAME, 0, int(self.err_host[3]))
-            self.bad = str(exc)
-            raise exc
-
-
-_controls: dict = {}
-
-
-def control(device: torch.device) -> _BackwardControl:
+def control(device: torch.device) -> _Control:
     """The backward's own per-device control tensor (separate from the forward's)."""
-    key = (device.type, device.index if device.index is not None else
-           (torch.cuda.current_device() if device.type == "cuda" else 0))
-    c = _controls.get(key)
-    if c is None:
-        c = _controls[key] = _BackwardControl(device)
-    return c
+    return _moe_control(device, OP_NAME)
 
 
 def backward_reason(grad_out, grad_router_logits, hidden, router_weight, router_bias, gate_up_proj) -> Optional[str]:

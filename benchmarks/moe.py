@@ -1,6 +1,7 @@
 """MoE layer benchmark: HF's block (grouped_mm experts) eager and under Inductor, the same block under
-backend="kosmos" (one kosmos::moe_layer per direction, timed twice on the same compiled graph: the op's reference
-impl and its fused kernels; the table says which ran), and dense GEMMs of the same FLOPs.
+backend="kosmos" (one kosmos::moe_layer per direction, timed three times on the same compiled graph: the op's
+reference impls, the default (fused forward, reference backward) and both fused kernels; the table says which ran),
+and dense GEMMs of the same FLOPs.
 
     PYTHONPATH=. python3 benchmarks/moe.py                       # every layer x T, fwd and fwd+bwd, bf16
     PYTHONPATH=. python3 benchmarks/moe.py --only qwen3_235b --ts 16384 --json out.json --plot moe.png
@@ -87,9 +88,9 @@ def variants(block):
     return {"hf_eager": block, "inductor": torch.compile(block), "kosmos": torch.compile(block, backend="kosmos")}
 
 
-# the kosmos-compiled block runs twice: kosmos::moe_layer's reference impl, then its fused kernels (the op reads
-# KOSMOS_FUSED_MOE at each call, so both run the same compiled graph)
-KOSMOS_MODES = {"kosmos_ref": "0", "kosmos_fused": "1"}
+# the kosmos-compiled block runs three times: kosmos::moe_layer's reference impls, the default (fused forward,
+# reference backward), then both fused kernels (the op reads KOSMOS_FUSED_MOE at each call: one compiled graph)
+KOSMOS_MODES = {"kosmos_ref": "0", "kosmos_default": "forward", "kosmos_fused": "1"}
 
 
 def run_cell(layer: str, T: int, args) -> dict:
@@ -143,7 +144,7 @@ def run_cell(layer: str, T: int, args) -> dict:
 
 
 def table(results) -> str:
-    cols = ("hf_eager", "inductor", "kosmos_ref", "kosmos_fused", "dense")
+    cols = ("hf_eager", "inductor", "kosmos_ref", "kosmos_default", "kosmos_fused", "dense")
     head = (f"{'layer':>14} {'T':>6} | fwd ms: " + " ".join(f"{c[:12]:>12}" for c in cols) + f" {'x ind':>6} | "
             "fwd+bwd ms: " + " ".join(f"{c[:12]:>12}" for c in cols) + f" {'x ind':>6} | target (fused)")
     lines = [head, "-" * len(head)]
@@ -154,8 +155,8 @@ def table(results) -> str:
             f"f+b<={tgt[1]} {'met' if r['fwdbwd_kosmos_fused'] <= tgt[1] else 'MISS'}")
         cells = []
         for kind in ("fwd", "fwdbwd"):
-            best = min(r[f"{kind}_kosmos_ref"], r[f"{kind}_kosmos_fused"])
-            times = " ".join(f"{r[f'{kind}_{c}']:>12.2f}" for c in cols)
+            best = min(r.get(f"{kind}_{m}", float("inf")) for m in KOSMOS_MODES)
+            times = " ".join(f"{r.get(f'{kind}_{c}', float('nan')):>12.2f}" for c in cols)
             cells.append(f"{times} {r[f'{kind}_inductor'] / best:>6.2f}")
         lines.append(f"{r['layer']:>14} {r['T']:>6} | fwd ms: {cells[0]} | fwd+bwd ms: {cells[1]} | {ok}")
     lines.append("x ind: Inductor time / the faster kosmos impl; impls that ran: " + "; ".join(
@@ -173,7 +174,7 @@ def plot(results, path: str) -> None:
     labels = [f"{r['layer']}\nT={r['T']}" for r in results]
     for ax, kind in zip(axes, ("fwd", "fwdbwd")):
         base = [r[f"{kind}_inductor"] for r in results]
-        for name in ("hf_eager", "kosmos_ref", "kosmos_fused", "dense"):
+        for name in ("hf_eager", "kosmos_ref", "kosmos_default", "kosmos_fused", "dense"):
             ax.plot(labels, [b / r[f"{kind}_{name}"] for b, r in zip(base, results)], marker="o", label=name)
         ax.axhline(1.0, color="gray", lw=0.5)
         ax.set_title(f"{kind}: speed-up over Inductor")

@@ -186,7 +186,7 @@ def test_missing_signal_raises():
     runtime.set_spin_timeout(0.5)
     try:
         ep_backward(W, *args, 2, drop_signal=(1, n_tiles + 1), sw=sw)
-        with pytest.raises(runtime.KernelTimeout, match="moe_layer"):
+        with pytest.raises(runtime.KernelTimeout, match="moe_layer_backward"):
             torch.cuda.synchronize()
             sw.workspace.check()
     finally:

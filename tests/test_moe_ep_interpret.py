@@ -21,7 +21,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 CASES = ["softmax_top2_fp16", "deepseek_router_fp32", "all_on_one_expert_top1", "counters_zeroed_epochs_advance",
-         "missing_signal_raises", "backward_equals_non_ep_kernel_fp16", "backward_deepseek_fp32_glog"]
+         "missing_signal_raises", "backward_equals_non_ep_kernel_fp16", "backward_deepseek_fp32_glog",
+         "backward_missing_signal_raises", "bad_arguments_raise", "growth_after_capture_keeps_old_tensors"]
 
 
 def _inputs(torch, T, H, I, E, dtype, seed):
@@ -152,6 +153,63 @@ def case_backward_equals_non_ep_kernel_fp16(torch, SimWorld):
 def case_backward_deepseek_fp32_glog(torch, SimWorld):
     return _backward_vs_non_ep(torch, SimWorld, torch.float32, 4, 6, correction=torch.randn(8) * 0.1,
                                scoring="sigmoid", n_group=2, topk_group=1, rsf=2.5, glog=True)
+
+
+def case_backward_missing_signal_raises(torch, SimWorld):
+    """Rank 0's first DISPATCH task raises no rows flag: UP waits past the bound; the error names the backward."""
+    from kosmos.kernels import runtime
+
+    sw = SimWorld(1, device="cpu")
+    h, rw, gu, d = _inputs(torch, 17, 32, 32, 8, torch.float16, 7)
+    n_tiles = 2  # T=17 in the interpreter config's 16-token tiles: DISPATCH tasks are n_tiles + 1 ...
+    runtime.set_spin_timeout(0.05)
+    try:
+        try:
+            sw.moe_layer_backward(torch.randn_like(h), None, h, rw, None, None, gu, d, 2,
+                                  drop_signal=(0, n_tiles + 2))
+            sw.workspace.check()
+        except runtime.KernelTimeout as e:
+            msg = str(e)
+        else:
+            raise AssertionError("no KernelTimeout")
+    finally:
+        runtime.set_spin_timeout(None)
+    assert "kosmos::moe_layer_backward" in msg, msg
+    return {"msg": msg}
+
+
+def case_bad_arguments_raise(torch, SimWorld):
+    sw = SimWorld(1, device="cpu")
+    h, rw, gu, d = _inputs(torch, 8, 32, 32, 8, torch.float16, 8)
+    bad = {"top_k > E": lambda: sw.moe_layer(h, rw, None, None, gu, d, 9),
+           "gate_up_proj of another rank count": lambda: sw.moe_layer(h, rw, None, None, gu.expand(2, -1, -1, -1),
+                                                                      d, 2),
+           "router_bias shape": lambda: sw.moe_layer(h, rw, torch.zeros(3, dtype=h.dtype), None, gu, d, 2),
+           "n_group not dividing E": lambda: sw.moe_layer(h, rw, None, None, gu, d, 2, "sigmoid", True, 3, 1),
+           "grad_router_logits of another rank count": lambda: sw.moe_layer_backward(
+               torch.randn_like(h), torch.zeros(2, 8, 8, dtype=h.dtype), h, rw, None, None, gu, d, 2)}
+    for name, call in bad.items():
+        try:
+            call()
+        except ValueError:
+            continue
+        raise AssertionError(f"{name}: no ValueError")
+    return {"checked": len(bad)}
+
+
+def case_growth_after_capture_keeps_old_tensors(torch, SimWorld):
+    """After a launch under CUDA graph capture (marked by hand here: the CPU has no graphs), tensors a later call
+    replaces stay allocated, since the graph replays on their addresses."""
+    ws = SimWorld(1, device="cpu").workspace
+    ws.local_counters(8)
+    old_buffers, old_counters = ws.buffers, ws.local_counters(8)
+    ws.captured = True
+    ws.ensure(ws.layout.flag_words * 4, ws.layout.data_bytes * 4)
+    ws.local_counters(old_counters.shape[1] * 4)
+    assert ws.buffers is not old_buffers and ws.local_counters(8) is not old_counters
+    kept = [t for item in ws._retired for t in (item if isinstance(item, tuple) else (item,))]
+    assert any(t is old_buffers for t in kept) and any(t is old_counters for t in kept), kept
+    return {"retired": len(ws._retired)}
 
 
 def _main():

@@ -352,14 +352,21 @@ class _Control:
         self.err_host = torch.zeros(4, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.bad: Optional[str] = None
         self.lock = threading.Lock()
+        self.captured = False  # a launch was captured in a CUDA graph: a replaced tensor stays allocated for it
+        self._retired: list = []
 
     def ensure(self, words: int) -> None:
-        """Room for `words` per-block counters after the head (a new, zeroed tensor when it grows)."""
+        """Room for `words` per-block counters after the head (a new, zeroed tensor when it grows). Called before
+        every launch: it also notes a launch under CUDA graph capture."""
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        self.captured = self.captured or capturing
         if CTRL_HEAD + words <= self.ctrl.numel():
             return
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing:
             raise RuntimeError(f"kosmos {self.op}: the control tensor must grow to {words} words during CUDA graph "
                                "capture; run the op once with these shapes before capturing")
+        if self.captured:
+            self._retired.append(self.ctrl)
         self.ctrl = torch.zeros(CTRL_HEAD + max(words, 2 * (self.ctrl.numel() - CTRL_HEAD)), dtype=torch.int32,
                                 device=self.device)
 

@@ -403,6 +403,26 @@ def ep_workspace_bytes(world: int, E: int, T: int, top_k: int, H: int, w_elt: in
     return ep_layout(world, E, T, top_k, H, w_elt, d_elt).nbytes
 
 
+def check_ep_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
+                  n_group, topk_group, world: int, n_local: int) -> None:
+    """ValueError unless the per-rank stacks have the EP shapes (hidden [n_local, T, H], gate_up_proj
+    [n_local, E_loc, 2I, H], down_proj [n_local, E_loc, H, I]) and the router arguments are kosmos::moe_layer's for
+    E = E_loc * W experts. Every rank holds the same T (the stacks guarantee it; the receive regions are sized by
+    it)."""
+    from kosmos.ops.moe import _check_router_args
+
+    if hidden.dim() != 3 or hidden.shape[0] != n_local or gate_up_proj.dim() != 4 or down_proj.dim() != 4:
+        raise ValueError(f"kosmos moe_layer (EP): hidden [n_local={n_local}, T, H], gate_up_proj [n_local, E_loc, 2I, "
+                         f"H], down_proj [n_local, E_loc, H, I]; got {tuple(hidden.shape)}, "
+                         f"{tuple(gate_up_proj.shape)}, {tuple(down_proj.shape)}")
+    n, e_loc, two_i, h = gate_up_proj.shape
+    if n != n_local or h != hidden.shape[2] or two_i % 2 or tuple(down_proj.shape) != (n_local, e_loc, h, two_i // 2):
+        raise ValueError(f"kosmos moe_layer (EP): shapes do not fit: hidden {tuple(hidden.shape)}, gate_up_proj "
+                         f"{tuple(gate_up_proj.shape)}, down_proj {tuple(down_proj.shape)}")
+    _check_router_args(hidden[0], router_weight, router_bias, score_correction_bias, gate_up_proj[0], top_k, scoring,
+                       n_group, topk_group, ep_world_size=world)
+
+
 def ep_reason(hidden, router_weight, gate_up_proj, down_proj, world: int) -> Optional[str]:
     """Why the EP kernel cannot take these per-rank shapes (beyond moe_ops.kernel_reason), or None."""
     E_loc = gate_up_proj.shape[-3]
@@ -430,10 +450,8 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
     from kosmos.kernels.moe_ops import kernel_reason
 
     world, n_local = ws.world, ws.n_local
-    if hidden.dim() != 3 or hidden.shape[0] != n_local or gate_up_proj.dim() != 4 or down_proj.dim() != 4:
-        raise ValueError(f"kosmos moe_ep_forward: hidden [n_local={n_local}, T, H], gate_up_proj [n_local, E_loc, 2I, "
-                         f"H], down_proj [n_local, E_loc, H, I]; got {tuple(hidden.shape)}, "
-                         f"{tuple(gate_up_proj.shape)}, {tuple(down_proj.shape)}")
+    check_ep_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
+                  n_group, topk_group, world, n_local)
     reason = (kernel_reason(hidden[0], router_weight, router_bias, score_correction_bias, gate_up_proj[0], down_proj[0],
                             top_k, scoring, n_group, topk_group, router_dtype, activation)
               or ep_reason(hidden, router_weight, gate_up_proj, down_proj, world))

@@ -45,11 +45,14 @@ from kosmos.kernels.moe import _block_rows, _signal, max_blocks, routing_constex
 from kosmos.kernels.moe_backward import (MoeBackwardConfig, _dact_tile, _dx_tile, _dy_tile, _fold_tile, _up_tile,
                                          _wgrad_tile, _wrouter_tile, backward_tiles, select_config)
 from kosmos.kernels.moe_ep import (L_DISPATCHED, L_FOLDED, L_HEAD, L_OWNER_SCANNED, L_ROUTED, L_SCANNED, L_SENT,
-                                   L_UP, OP_ID, _dispatch_tile, _owner_scan, _publish_counts,
+                                   L_UP, _dispatch_tile, _owner_scan, _publish_counts,
                                    _round512, _segment, _wait_all)
 from kosmos.kernels.moe_route import route_tile, scan_counts
 from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, ERR_TIMEOUT, claim, count_out, delay_ns, publish_finished,
                                     record_error, signal_flag, wait_flag, wait_peers_finished)
+
+
+OP_ID = tl.constexpr(4)  # runtime.OP_IDS["moe_layer_backward"]
 
 
 @triton.jit
@@ -321,16 +324,20 @@ def ep_backward_layout(world: int, E: int, T: int, top_k: int, H: int, n_hblk: i
 
 
 _identity: dict = {}
+_identity_retired: list = []
 
 
 def _identity_rows(n: int, device: torch.device) -> torch.Tensor:
-    """0..n-1 as int32 (the receive rows' row map), kept and grown, so a captured graph holds no arange launch."""
+    """0..n-1 as int32 (the receive rows' row map), kept and grown, so a captured graph holds no arange launch. A
+    replaced map stays allocated (a captured graph may read it; it is 4 bytes a row)."""
     key = (device.type, device.index)
     t = _identity.get(key)
     if t is None or t.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("kosmos moe_layer_backward (EP): the row map must grow during CUDA graph capture; run "
                                "the op once with these shapes before capturing")
+        if t is not None:
+            _identity_retired.append(t)
         t = _identity[key] = torch.arange(max(n, 2 * (t.numel() if t is not None else 0)), dtype=torch.int32,
                                           device=device)
     return t
@@ -349,14 +356,15 @@ def moe_ep_backward(ws: runtime.Workspace, rank_base: int, grad_out: torch.Tenso
     d_router_weight [n_local, E, H], d_gate_up_proj [n_local, E_loc, 2I, H], d_down_proj [n_local, E_loc, H, I]]
     (+ [d_router_bias [n_local, E]]), each rank's share as in the reference. Raises ValueError for what the kernel
     does not take."""
-    from kosmos.kernels.moe_ep import ep_reason
+    from kosmos.kernels.moe_ep import check_ep_args, ep_reason
     from kosmos.kernels.moe_ops import _backward_reason, kernel_reason
 
     world, n_local = ws.world, ws.n_local
-    if hidden.dim() != 3 or hidden.shape[0] != n_local or gate_up_proj.dim() != 4 or down_proj.dim() != 4:
-        raise ValueError(f"kosmos moe_ep_backward: hidden [n_local={n_local}, T, H], gate_up_proj [n_local, E_loc, "
-                         f"2I, H], down_proj [n_local, E_loc, H, I]; got {tuple(hidden.shape)}, "
-                         f"{tuple(gate_up_proj.shape)}, {tuple(down_proj.shape)}")
+    check_ep_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
+                  n_group, topk_group, world, n_local)
+    if grad_router_logits is not None and (grad_router_logits.dim() != 3 or grad_router_logits.shape[0] != n_local):
+        raise ValueError(f"kosmos moe_ep_backward: grad_router_logits must be [n_local, T, E], got "
+                         f"{tuple(grad_router_logits.shape)}")
     E = router_weight.shape[0]
     reason = (kernel_reason(hidden[0], router_weight, router_bias, score_correction_bias, gate_up_proj[0],
                             down_proj[0], top_k, scoring, n_group, topk_group, router_dtype, activation)

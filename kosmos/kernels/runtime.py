@@ -130,6 +130,10 @@ class Workspace:
         self.bad: Optional[str] = None
         self.uses: dict = {}  # kernel -> what it needs of the data region (formula and bytes), for the report
         self._local_counters: Optional[torch.Tensor] = None
+        # once a launch on this workspace was captured in a CUDA graph, tensors it replaced stay allocated: the graph
+        # replays on their addresses
+        self.captured = False
+        self._retired: list = []
         self._handle = None
         self.lock = threading.Lock()
         pin = self.device.type == "cuda"
@@ -155,6 +159,8 @@ class Workspace:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"kosmos: the local counters of {self.group_name or 'SimWorld'} must grow to "
                                    f"{words} words during CUDA graph capture; run the op once before capturing")
+            if c is not None and self.captured:
+                self._retired.append(c)
             c = torch.zeros(self.n_local, max(words, 2 * (c.shape[1] if c is not None else 0)), dtype=torch.int32,
                             device=self.device)
             self._local_counters = c
@@ -165,7 +171,10 @@ class Workspace:
         self.uses[user] = text
 
     def ensure(self, flag_words: int, data_bytes: int) -> None:
-        """Grows the buffers (new, zeroed; epochs restart) if a call needs more flags or data."""
+        """Grows the buffers (new, zeroed; epochs restart) if a call needs more flags or data. Called before every
+        launch: it also notes a launch under CUDA graph capture."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self.captured = True
         if flag_words <= self.layout.flag_words and data_bytes <= self.layout.data_bytes:
             return
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -178,6 +187,10 @@ class Workspace:
 
     def _grow(self, layout: WorkspaceLayout) -> None:
         old = self.buffers
+        if self.captured and old:
+            self._retired.append((old, self.table))
+            log.warning("kosmos: workspace %s grows after a CUDA graph capture: the old %d bytes per rank stay "
+                        "allocated for the graph's replays", self.group_name or "simworld", self.layout.nbytes)
         if old and self.group_name is not None and self.device.type == "cuda":
             # peers may still write FINISHED flags into the old buffers: drain before dropping them
             torch.cuda.current_stream(self.device).synchronize()

@@ -358,13 +358,10 @@ class _Control:
     def ensure(self, words: int) -> None:
         """Room for `words` per-block counters after the head (a new, zeroed tensor when it grows). Called before
         every launch: it also notes a launch under CUDA graph capture."""
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        self.captured = self.captured or capturing
+        self.captured = self.captured or runtime.capturing(self.device)
         if CTRL_HEAD + words <= self.ctrl.numel():
             return
-        if capturing:
-            raise RuntimeError(f"kosmos {self.op}: the control tensor must grow to {words} words during CUDA graph "
-                               "capture; run the op once with these shapes before capturing")
+        runtime.refuse_growth_in_capture(self.device, f"the {self.op} control tensor ({words} words)")
         if self.captured:
             self._retired.append(self.ctrl)
         self.ctrl = torch.zeros(CTRL_HEAD + max(words, 2 * (self.ctrl.numel() - CTRL_HEAD)), dtype=torch.int32,
@@ -374,14 +371,14 @@ class _Control:
         if self.bad is not None:
             raise runtime.WorkspaceBroken(f"kosmos {self.op}: control tensor unusable: {self.bad}")
         if int(self.err_host[0]) != 0:
-            if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            if self.device.type == "cuda" and not runtime.capturing(self.device):
                 torch.cuda.synchronize(self.device)
             exc = runtime.KernelTimeout(self.op, 0, int(self.err_host[3]))
             self.bad = str(exc)
             raise exc
 
     def after_launch(self) -> None:
-        if runtime.debug_sync() and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if runtime.debug_sync() and not runtime.capturing(self.device):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.check()

@@ -611,7 +611,7 @@ def backward_reason(grad_out, grad_router_logits, hidden, router_weight, router_
     shapes and dtypes), or None."""
     from kosmos.kernels.moe_ops import _backward_reason
 
-    return _backward_reason(grad_out, grad_router_logits, hidden, gate_up_proj)
+    return _backward_reason(grad_out, grad_router_logits, hidden, gate_up_proj.shape[0])
 
 
 def moe_backward(grad_out: torch.Tensor, grad_router_logits: Optional[torch.Tensor], hidden: torch.Tensor,

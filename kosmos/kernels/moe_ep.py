@@ -406,9 +406,10 @@ def ep_workspace_bytes(world: int, E: int, T: int, top_k: int, H: int, w_elt: in
 def check_ep_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
                   n_group, topk_group, world: int, n_local: int) -> None:
     """ValueError unless the per-rank stacks have the EP shapes (hidden [n_local, T, H], gate_up_proj
-    [n_local, E_loc, 2I, H], down_proj [n_local, E_loc, H, I]) and the router arguments are kosmos::moe_layer's for
-    E = E_loc * W experts. Every rank holds the same T (the stacks guarantee it; the receive regions are sized by
-    it)."""
+    [n_local, E_loc, 2I, H], down_proj [n_local, E_loc, H, I]), the router arguments are kosmos::moe_layer's for
+    E = E_loc * W experts and E fits the router tile. Every rank holds the same T (the stacks guarantee it; the
+    receive regions are sized by it)."""
+    from kosmos.kernels.moe_ops import MAX_EXPERTS
     from kosmos.ops.moe import _check_router_args
 
     if hidden.dim() != 3 or hidden.shape[0] != n_local or gate_up_proj.dim() != 4 or down_proj.dim() != 4:
@@ -421,17 +422,9 @@ def check_ep_args(hidden, router_weight, router_bias, score_correction_bias, gat
                          f"{tuple(gate_up_proj.shape)}, down_proj {tuple(down_proj.shape)}")
     _check_router_args(hidden[0], router_weight, router_bias, score_correction_bias, gate_up_proj[0], top_k, scoring,
                        n_group, topk_group, ep_world_size=world)
-
-
-def ep_reason(hidden, router_weight, gate_up_proj, down_proj, world: int) -> Optional[str]:
-    """Why the EP kernel cannot take these per-rank shapes (beyond moe_ops.kernel_reason), or None."""
-    E_loc = gate_up_proj.shape[-3]
-    if router_weight.shape[0] != E_loc * world:
-        return (f"router_weight has {router_weight.shape[0]} experts, expected E_loc * W = {E_loc} * {world} "
-                f"= {E_loc * world}")
-    if E_loc * world > 256:
-        return f"{E_loc * world} experts > 256 (the router tile holds every expert's logit in registers)"
-    return None
+    if e_loc * world > MAX_EXPERTS:  # moe_ops.kernel_reason sees one rank's experts only
+        raise ValueError(f"kosmos moe_layer (EP): {e_loc * world} experts > {MAX_EXPERTS} (the router tile holds every "
+                         "expert's logit in registers)")
 
 
 def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, router_weight: torch.Tensor,
@@ -452,14 +445,10 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
     world, n_local = ws.world, ws.n_local
     check_ep_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
                   n_group, topk_group, world, n_local)
-    reason = (kernel_reason(hidden[0], router_weight, router_bias, score_correction_bias, gate_up_proj[0], down_proj[0],
-                            top_k, scoring, n_group, topk_group, router_dtype, activation)
-              or ep_reason(hidden, router_weight, gate_up_proj, down_proj, world))
+    reason = kernel_reason(hidden[0], router_weight, router_bias, score_correction_bias, gate_up_proj[0], down_proj[0],
+                           top_k, scoring, n_group, topk_group, router_dtype, activation)
     if reason is not None:
         raise ValueError(f"kosmos moe_ep_forward: {reason}")
-    for name, t in (("hidden", hidden), ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        if not t[0].is_contiguous() and name != "hidden":
-            raise ValueError(f"kosmos moe_ep_forward: {name} per rank must be contiguous")
     ws.check()
     device = hidden.device
     _, T, H = hidden.shape

@@ -333,9 +333,7 @@ def _identity_rows(n: int, device: torch.device) -> torch.Tensor:
     key = (device.type, device.index)
     t = _identity.get(key)
     if t is None or t.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("kosmos moe_layer_backward (EP): the row map must grow during CUDA graph capture; run "
-                               "the op once with these shapes before capturing")
+        runtime.refuse_growth_in_capture(device, f"the EP backward's row map ({n} rows)")
         if t is not None:
             _identity_retired.append(t)
         t = _identity[key] = torch.arange(max(n, 2 * (t.numel() if t is not None else 0)), dtype=torch.int32,
@@ -356,7 +354,7 @@ def moe_ep_backward(ws: runtime.Workspace, rank_base: int, grad_out: torch.Tenso
     d_router_weight [n_local, E, H], d_gate_up_proj [n_local, E_loc, 2I, H], d_down_proj [n_local, E_loc, H, I]]
     (+ [d_router_bias [n_local, E]]), each rank's share as in the reference. Raises ValueError for what the kernel
     does not take."""
-    from kosmos.kernels.moe_ep import check_ep_args, ep_reason
+    from kosmos.kernels.moe_ep import check_ep_args
     from kosmos.kernels.moe_ops import _backward_reason, kernel_reason
 
     world, n_local = ws.world, ws.n_local
@@ -366,14 +364,13 @@ def moe_ep_backward(ws: runtime.Workspace, rank_base: int, grad_out: torch.Tenso
         raise ValueError(f"kosmos moe_ep_backward: grad_router_logits must be [n_local, T, E], got "
                          f"{tuple(grad_router_logits.shape)}")
     E = router_weight.shape[0]
-    reason = (kernel_reason(hidden[0], router_weight, router_bias, score_correction_bias, gate_up_proj[0],
-                            down_proj[0], top_k, scoring, n_group, topk_group, router_dtype, activation)
-              or ep_reason(hidden, router_weight, gate_up_proj, down_proj, world))
+    reason = kernel_reason(hidden[0], router_weight, router_bias, score_correction_bias, gate_up_proj[0],
+                           down_proj[0], top_k, scoring, n_group, topk_group, router_dtype, activation)
     if reason is None and tuple(grad_out.shape) != tuple(hidden.shape):
         reason = f"grad_out {tuple(grad_out.shape)} is not {tuple(hidden.shape)}"
     if reason is None:
         glog0 = grad_router_logits[0] if grad_router_logits is not None else None
-        reason = _backward_reason(grad_out[0], glog0, hidden[0], router_weight.new_empty(E, 1, 1))
+        reason = _backward_reason(grad_out[0], glog0, hidden[0], E)
     if reason is not None:
         raise ValueError(f"kosmos moe_ep_backward: {reason}")
     ws.check()

@@ -140,10 +140,9 @@ def run_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gat
                        return_router_logits)
 
 
-def _backward_reason(grad_out, grad_router_logits, hidden, gate_up_proj) -> Optional[str]:
-    """kosmos.kernels.moe_backward.backward_reason without importing Triton."""
+def _backward_reason(grad_out, grad_router_logits, hidden, E: int) -> Optional[str]:
+    """kosmos.kernels.moe_backward.backward_reason without importing Triton (E: the router's experts)."""
     T, H = hidden.shape
-    E = gate_up_proj.shape[0]
     if tuple(grad_out.shape) != (T, H):
         return f"grad_out {tuple(grad_out.shape)} is not [T={T}, H={H}]"
     if grad_out.dtype not in _DTYPES:
@@ -169,7 +168,7 @@ def why_not_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weig
         return reason
     return (kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                           scoring, n_group, topk_group, router_dtype, activation)
-            or _backward_reason(grad_out, grad_router_logits, hidden, gate_up_proj))
+            or _backward_reason(grad_out, grad_router_logits, hidden, gate_up_proj.shape[0]))
 
 
 def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias,

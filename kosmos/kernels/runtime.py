@@ -92,6 +92,19 @@ def debug_sync() -> bool:
     return os.environ.get("KOSMOS_DEBUG_SYNC", "0") not in ("", "0")
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of `device` is capturing a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def refuse_growth_in_capture(device: torch.device, what: str) -> None:
+    """A tensor the fused kernels keep between calls is about to be replaced by a larger one: not while a CUDA graph
+    is captured (the graph would hold an address the next call no longer uses)."""
+    if capturing(device):
+        raise RuntimeError(f"kosmos: {what} must grow during CUDA graph capture; run the op once with these shapes "
+                           "before capturing")
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -156,9 +169,8 @@ class Workspace:
         (new, zeroed) when a call needs more, never during CUDA graph capture."""
         c = self._local_counters
         if c is None or c.shape[1] < words:
-            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"kosmos: the local counters of {self.group_name or 'SimWorld'} must grow to "
-                                   f"{words} words during CUDA graph capture; run the op once before capturing")
+            refuse_growth_in_capture(self.device, f"the local counters of {self.group_name or 'SimWorld'} ({words} "
+                                     "words)")
             if c is not None and self.captured:
                 self._retired.append(c)
             c = torch.zeros(self.n_local, max(words, 2 * (c.shape[1] if c is not None else 0)), dtype=torch.int32,
@@ -173,14 +185,11 @@ class Workspace:
     def ensure(self, flag_words: int, data_bytes: int) -> None:
         """Grows the buffers (new, zeroed; epochs restart) if a call needs more flags or data. Called before every
         launch: it also notes a launch under CUDA graph capture."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            self.captured = True
+        self.captured = self.captured or capturing(self.device)
         if flag_words <= self.layout.flag_words and data_bytes <= self.layout.data_bytes:
             return
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"kosmos: workspace of group {self.group_name!r} must grow to {flag_words} flags and {data_bytes} "
-                "data bytes during CUDA graph capture; run the op once before capturing")
+        refuse_growth_in_capture(self.device, f"the workspace of group {self.group_name!r} ({flag_words} flags, "
+                                 f"{data_bytes} data bytes)")
         # grow generously so a model's layers of different shapes settle quickly
         self._grow(WorkspaceLayout(max(flag_words, 2 * self.layout.flag_words),
                                    max(data_bytes, self.layout.data_bytes + self.layout.data_bytes // 2)))
@@ -234,7 +243,7 @@ class Workspace:
             raise WorkspaceBroken(f"kosmos: workspace of {self.group_name or 'SimWorld'} is unusable: {self.bad}")
         code = int(self.err_host[0])
         if code != 0:
-            if self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            if self.device.type == "cuda" and not capturing(self.device):
                 torch.cuda.synchronize(self.device)  # the details were stored before the code, not fenced
             op = OP_NAMES.get(int(self.err_host[1]), f"op{int(self.err_host[1])}")
             rank, task = int(self.err_host[2]), int(self.err_host[3])
@@ -244,7 +253,7 @@ class Workspace:
 
     def after_launch(self) -> None:
         """In debug mode (KOSMOS_DEBUG_SYNC=1) waits for the kernel and checks its error word at once."""
-        if debug_sync() and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if debug_sync() and not capturing(self.device):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.check()
@@ -290,10 +299,7 @@ def group_workspace(group_name: str, device: torch.device) -> Workspace:
 
 def workspace_bytes() -> dict:
     """Bytes per GPU of each live workspace: {group name (or 'simworld:<id>'): bytes}."""
-    out = {f"{g}@cuda:{d}": ws.nbytes for (g, d), ws in _workspaces.items()}
-    for sw in list(_simworlds):
-        out[f"simworld:{id(sw):x}"] = sw.workspace.nbytes * sw.world
-    return out
+    return {name: w["bytes"] for name, w in workspace_report().items()}
 
 
 def workspace_report() -> dict:

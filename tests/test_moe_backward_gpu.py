@@ -16,35 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                       reason="needs a CUDA GPU with TMA (sm_90+)"),
-]
+from _moe_gpu import MARKS, exact_fp32, rel_err, spin_bound  # noqa: F401  (autouse fixtures)
+
+pytestmark = MARKS
 
 from kosmos.kernels import runtime  # noqa: E402
 
 NAMES = ["d_hidden", "d_router_weight", "d_gate_up_proj", "d_down_proj", "d_router_bias"]
 TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-5}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _spin_bound():
-    runtime.set_spin_timeout(20.0)  # a hang raises in 20 s instead of 300
-    yield
-    runtime.set_spin_timeout(None)
-
-
-@pytest.fixture(autouse=True)
-def _exact_fp32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 cases: exact on both sides
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def make(T, H, I, E, dtype, seed=0, router_scale=1.0):

@@ -11,16 +11,9 @@ into other tests); each test checks its case's line of the report.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+import _interp
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
 
 CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled_glog", "fp16_router_fp32_no_renorm_glog", "empty_experts",
          "all_on_one_expert", "many_blocks_per_expert", "mixed_hidden_fp32_weights_fp16", "top2_one_token",
@@ -192,19 +185,7 @@ def case_softmax_grouped_corrected_fp16(torch):
 
 
 def _main():
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    import torch as _torch
-
-    only = sys.argv[1:] or CASES
-    report = {}
-    for name in only:
-        try:
-            report[name] = {"ok": True, "info": globals()["case_" + name](_torch)}
-        except Exception as e:  # noqa: BLE001
-            import traceback
-
-            report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
-    print("REPORT " + json.dumps(report))
+    _interp.run_cases(CASES, globals(), torch)
 
 
 # ----------------------------------------------------------------------------------------------- tests
@@ -212,17 +193,12 @@ def _main():
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert lines, f"no report (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("REPORT "):])
+    return _interp.collect(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_interpreted_case(report, case):
-    r = report[case]
-    assert r["ok"], r.get("error", "") + "\n" + r.get("tb", "")
+    _interp.check(report, case)
 
 
 def _args(h, E=4, I=16, router_bias=None, **over):

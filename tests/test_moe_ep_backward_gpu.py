@@ -15,44 +15,14 @@ import random
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                       reason="needs a CUDA GPU with TMA (sm_90+)"),
-]
+from _moe_gpu import MARKS, exact_fp32, poison, rel_err, spin_bound, world, worlds  # noqa: F401  (autouse fixtures)
+
+pytestmark = MARKS
 
 from kosmos.kernels import runtime  # noqa: E402
 from kosmos.kernels.runtime import SimWorld  # noqa: E402
 
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
-_worlds: dict = {}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _spin_bound():
-    runtime.set_spin_timeout(20.0)
-    yield
-    runtime.set_spin_timeout(None)
-
-
-@pytest.fixture(autouse=True)
-def _exact_fp32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def world(W):
-    if W not in _worlds:
-        _worlds[W] = SimWorld(W)
-    return _worlds[W]
-
-
-def poison(sw):
-    off = sw.workspace.layout.data_off
-    for b in sw.workspace.buffers:
-        b[off:].fill_(0xFF)
 
 
 def make(W, T, H, I, E, dtype, seed=0, bias=False, glog=False):
@@ -65,10 +35,6 @@ def make(W, T, H, I, E, dtype, seed=0, bias=False, glog=False):
     rb = (torch.randn(E, device="cuda", generator=g) * 0.1).to(dtype) if bias else None
     gl = torch.randn(W, T, E, device="cuda", generator=g).to(dtype) if glog else None
     return h, rw, gu, d, go, rb, gl
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def ep_backward(W, h, rw, gu, d, go, rb, gl, top_k, *, correction=None, scoring="softmax", n_group=1, topk_group=1,
@@ -228,5 +194,5 @@ def test_randomized_launches_without_hang():
                             programs=rng.choice([None, 3, max(1, world(W).default_programs() // 2)]))
         torch.cuda.synchronize()
         assert all(torch.isfinite(g).all() for g in grads)
-    for sw in _worlds.values():
+    for sw in worlds():
         sw.workspace.check()

@@ -14,45 +14,15 @@ import random
 import pytest
 import torch
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                       reason="needs a CUDA GPU with TMA (sm_90+)"),
-]
+from _moe_gpu import MARKS, exact_fp32, poison, rel_err, spin_bound, world, worlds  # noqa: F401  (autouse fixtures)
+
+pytestmark = MARKS
 
 from kosmos.kernels import runtime  # noqa: E402
 from kosmos.kernels.runtime import SimWorld  # noqa: E402
 from kosmos.ops.moe import experts, route  # noqa: E402
 
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
-_worlds: dict = {}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _spin_bound():
-    runtime.set_spin_timeout(20.0)  # a hang raises in 20 s instead of 300
-    yield
-    runtime.set_spin_timeout(None)
-
-
-@pytest.fixture(autouse=True)
-def _exact_fp32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def world(W: int) -> SimWorld:
-    if W not in _worlds:
-        _worlds[W] = SimWorld(W)
-    return _worlds[W]
-
-
-def poison(sw: SimWorld) -> None:
-    off = sw.workspace.layout.data_off
-    for b in sw.workspace.buffers:
-        b[off:].fill_(0xFF)
 
 
 def make(W, T, H, I, E, dtype, seed=0):
@@ -66,10 +36,6 @@ def make(W, T, H, I, E, dtype, seed=0):
 
 def shard(w: torch.Tensor, W: int) -> torch.Tensor:
     return w.view(W, w.shape[0] // W, *w.shape[1:])
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def run_and_check(W, h, rw, gu, d, top_k, *, router_bias=None, correction=None, scoring="softmax", n_group=1,
@@ -217,7 +183,7 @@ def test_randomized_launches_without_hang():
             out, _, tpe = sw.moe_layer(h, rw, bias, None, shard(gu, W), shard(d, W), top_k, programs=programs)
             torch.cuda.synchronize()
             assert torch.isfinite(out).all() and int(tpe[0].sum()) == W * T * top_k
-    for sw in _worlds.values():
+    for sw in worlds():
         sw.workspace.check()
     assert checked == 10
 

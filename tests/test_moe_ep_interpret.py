@@ -9,16 +9,8 @@ multiplies raw bits). All cases run in ONE subprocess (TRITON_INTERPRET must be 
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
-from pathlib import Path
-
+import _interp
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
 
 CASES = ["softmax_top2_fp16", "deepseek_router_fp32", "all_on_one_expert_top1", "counters_zeroed_epochs_advance",
          "missing_signal_raises", "backward_equals_non_ep_kernel_fp16", "backward_deepseek_fp32_glog",
@@ -217,28 +209,17 @@ def _main():
 
     from kosmos.kernels.runtime import SimWorld
 
-    report = {}
-    for name in CASES:
-        try:
-            report[name] = {"ok": True, **globals()["case_" + name](torch, SimWorld)}
-        except Exception as e:  # noqa: BLE001
-            report[name] = {"ok": False, "error": repr(e), "tb": traceback.format_exc()}
-    print("REPORT " + json.dumps(report))
+    _interp.run_cases(CASES, globals(), torch, SimWorld)
 
 
 @pytest.fixture(scope="module")
 def report():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert lines, f"no report (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("REPORT "):])
+    return _interp.collect(__file__, timeout=900)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_interpreted_case(report, case):
-    r = report[case]
-    assert r["ok"], r.get("error", "") + "\n" + r.get("tb", "")
+    _interp.check(report, case)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ def run_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gat
 
     return moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                        scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
-                       return_router_logits)
+                       return_router_logits, save_up=True)
 
 
 def _backward_reason(grad_out, grad_router_logits, hidden, E: int) -> Optional[str]:
@@ -159,7 +159,7 @@ def why_not_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weig
                                score_correction_bias, gate_up_proj, down_proj, top_k, scoring, norm_topk_prob,
                                n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
                                activation="silu", ep_group_name=None, ep_world_size=1,
-                               ep_mode="all_to_all") -> Optional[str]:
+                               ep_mode="all_to_all", saved_up=None) -> Optional[str]:
     if not enabled("backward"):
         return (f"fused MoE backward is opt-in ({ENV}=1): slower than this reference impl on an H200 "
                 "(benchmarks/RESULTS.md)")
@@ -174,7 +174,8 @@ def why_not_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weig
 def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias,
                            gate_up_proj, down_proj, top_k, scoring, norm_topk_prob, n_group=1, topk_group=1,
                            routed_scaling_factor=1.0, router_dtype=None, activation="silu", ep_group_name=None,
-                           ep_world_size=1, ep_mode="all_to_all"):
+                           ep_world_size=1, ep_mode="all_to_all", saved_up=None):
+    """saved_up is not read: the fused backward recomputes the up projection in its own tiles."""
     from kosmos.kernels.moe_backward import moe_backward
 
     return moe_backward(grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias,
@@ -183,5 +184,9 @@ def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, 
 
 
 def register() -> None:
+    from kosmos.kernels import moe_rows
+
     dispatch.register_fused("moe_layer", why_not_moe_layer, run_moe_layer)
     dispatch.register_fused("moe_layer_backward", why_not_moe_layer_backward, run_moe_layer_backward)
+    dispatch.register_row_kernel("moe_scaled_act", moe_rows.scaled_act)
+    dispatch.register_row_kernel("moe_swiglu_rows_backward", moe_rows.swiglu_rows_backward)

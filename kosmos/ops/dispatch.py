@@ -12,8 +12,21 @@ from kosmos.reporting import record_run
 _fused: dict[str, tuple[Callable[..., Optional[str]], Callable]] = {}
 
 
+# name -> CUDA kernel of one step inside a reference impl (same math, fewer passes; not a choice to report)
+_row_kernels: dict[str, Callable] = {}
+
+
 def register_fused(op: str, why_not: Callable[..., Optional[str]], run: Callable) -> None:
     _fused[op] = (why_not, run)
+
+
+def register_row_kernel(name: str, fn: Callable) -> None:
+    _row_kernels[name] = fn
+
+
+def row_kernel(name: str, device: torch.device) -> Optional[Callable]:
+    """The CUDA kernel registered as `name`, or None (the caller runs its torch math)."""
+    return _row_kernels.get(name) if device.type == "cuda" else None
 
 
 def why_reference(op: str, device: torch.device, *args) -> Optional[str]:

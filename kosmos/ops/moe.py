@@ -8,7 +8,7 @@ moe_layer(hidden [T, H], router_weight [E, H], router_bias [E]?, score_correctio
           routed_scaling_factor, router_dtype, activation, return_router_logits, ep_group_name, ep_world_size,
           ep_mode="all_to_all")
     -> (out [T, H] in hidden's dtype, router_logits [T, E] (or [0, E] unless return_router_logits),
-        tokens_per_expert [E] int32)
+        tokens_per_expert [E] int32, saved_up [T * k + E, 2I] in gate_up_proj's dtype ([0, 2I] under EP))
 
     router (exactly HF transformers v5):
         rd      = router_dtype or hidden.dtype
@@ -39,14 +39,24 @@ moe_experts(hidden [T, H], topk_ids [T, k] int, topk_weights [T, k], gate_up_pro
             ep_group_name, ep_world_size) -> (out [T, H], tokens_per_expert [E] int32)
     the experts part above, with the routing given (the HF experts interface route, kosmos.hf_experts).
 
+saved_up, the activation moe_layer saves for its backward: the up projection of every (token, slot) pair,
+[gate | up] = (hidden[t].to(W) @ gate_up_proj[e].T) rounded to W, in padded expert-sorted rows: with count_e the
+pairs routed to expert e and start_e = sum of count_e' over e' < e, row start_e + e is a zero pad row, followed by
+expert e's pairs in ascending token order. The fused forward writes the same layout. It is what HF's grouped_mm
+path keeps of the experts too (the output of the first grouped matmul); Inductor keeps more (tests/
+test_moe_saved_activations.py). Under EP the rows an owner computes depend on the routing (no static shape), so
+saved_up is empty and the backward recomputes the up projection.
+
 Backward ops (one launch per direction; registered as the ops' autograd, so after AOT autograd the backward
 graph holds one call per MoE layer):
-    moe_layer_backward(grad_out, grad_router_logits?, <moe_layer's inputs but return_router_logits>)
+    moe_layer_backward(grad_out, grad_router_logits?, <moe_layer's inputs but return_router_logits>, saved_up?)
         -> [d_hidden, d_router_weight, d_gate_up_proj, d_down_proj] (+ [d_router_bias] if router_bias is given)
     moe_experts_backward(grad_out, <moe_experts' inputs>) -> [d_hidden, d_topk_weights, d_gate_up_proj, d_down_proj]
-They save nothing but the forward's inputs and recompute what they need: the reference recomputes the routing
-and the up projection (`route_backward`, `experts_backward`: matmuls in the weights' dtype, sums in fp32).
-score_correction_bias and topk_ids get no gradient.
+They save the forward's inputs (moe_layer also saved_up) and recompute the rest: the routing, and without
+saved_up rows the up projection (`route_backward`, `experts_backward`: matmuls in the weights' dtype, sums in
+fp32). With saved_up nothing of the experts is recomputed: d_topk_weights = <grad_out, y> is taken as
+<grad_out @ down_proj[e], act>, from the same grouped matmul that gives d_act. score_correction_bias and topk_ids
+get no gradient.
 
 The reference experts (`experts`, `experts_backward`, and the EP ones below) sort the pairs by expert and run every
 projection as ONE grouped matmul over the sorted rows (`_grouped_mm`; weight gradients `_grouped_wgrad`):
@@ -350,7 +360,7 @@ class _SortedPairs:
     def __init__(self, topk_ids: torch.Tensor, num_experts: int):
         flat = topk_ids.reshape(-1).long()
         pairs, device = flat.numel(), flat.device
-        sorted_ids, perm = torch.sort(flat)
+        sorted_ids, perm = torch.sort(flat, stable=True)  # tokens ascending inside an expert: the fused layout
         experts = torch.arange(num_experts, device=device)
         ends = torch.searchsorted(sorted_ids, experts, right=True)  # without the pad rows
         self.counts = torch.diff(ends, prepend=ends.new_zeros(1))
@@ -370,11 +380,23 @@ def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
 
 
-def _experts_up(x, gate_up_proj, groups, down_dtype):
-    """Up projection and SwiGLU of the grouped rows x: (gate, up, silu(gate), act = silu(gate) * up in down_dtype)."""
-    gate, up = _grouped_mm(x, gate_up_proj.transpose(1, 2), groups).chunk(2, dim=-1)
+def _swiglu(h, down_dtype):
+    """SwiGLU of up-projected rows h = [gate | up]: (gate, up, silu(gate), act = silu(gate) * up in down_dtype)."""
+    gate, up = h.chunk(2, dim=-1)
     silu = F.silu(gate)
     return gate, up, silu, (silu * up).to(down_dtype)
+
+
+def _experts_up(x, gate_up_proj, groups, down_dtype):
+    """Up projection and SwiGLU of the grouped rows x (as `_swiglu`)."""
+    return _swiglu(_grouped_mm(x, gate_up_proj.transpose(1, 2), groups), down_dtype)
+
+
+def _swiglu_backward(gate, up, silu, d_act):
+    """d[gate | up] of act = silu(gate) * up, given d_act (in silu's dtype)."""
+    sig = torch.sigmoid(gate)
+    d_gate = d_act * up * (sig * (1 + gate * (1 - sig)))
+    return torch.cat([d_gate, d_act * silu], dim=-1)
 
 
 def _experts_grads(x, d_y, gate_up_proj, down_proj, groups):
@@ -385,11 +407,48 @@ def _experts_grads(x, d_y, gate_up_proj, down_proj, groups):
     y = _grouped_mm(act, down_proj.transpose(1, 2), groups)
     d_down = _grouped_wgrad(d_y, act, groups, down_proj)
     d_act = _grouped_mm(d_y, down_proj, groups).to(silu.dtype)
-    sig = torch.sigmoid(gate)
-    d_gate = d_act * up * (sig * (1 + gate * (1 - sig)))
-    d_h = torch.cat([d_gate, d_act * silu], dim=-1)
+    d_h = _swiglu_backward(gate, up, silu, d_act)
     d_gate_up = _grouped_wgrad(d_h, x, groups, gate_up_proj)
     return y, _grouped_mm(d_h, gate_up_proj, groups), d_gate_up, d_down
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 14) -> torch.Tensor:
+    """fp32 sum over the last dim of a * b (products in fp32), in row chunks to bound the fp32 temporaries."""
+    out = torch.empty(a.shape[0], dtype=torch.float32, device=a.device)
+    for r in range(0, a.shape[0], chunk):
+        out[r : r + chunk] = (a[r : r + chunk].float() * b[r : r + chunk].float()).sum(dim=-1)
+    return out
+
+
+def _scaled_act(h, w, dtype):
+    """act * w [S, I] in dtype (act of h = [gate | up] as `_swiglu`, w [S] the rows' routing weights)."""
+    kernel = dispatch.row_kernel("moe_scaled_act", h.device)
+    if kernel is not None:
+        return kernel(h, w, dtype)
+    act = _swiglu(h, dtype)[3]
+    return (act.to(torch.promote_types(dtype, w.dtype)) * w.unsqueeze(-1)).to(dtype)
+
+
+def _swiglu_rows_backward(h, d_au, w):
+    """(d_h [S, 2I] of h's dtype, d_w [S] fp32) for act = silu(gate) * up of h: d_au [S, I] is grad_out rows @
+    down_proj[e] without the routing weights w [S], so d_act = d_au * w and d_w = <d_au, act>."""
+    kernel = dispatch.row_kernel("moe_swiglu_rows_backward", h.device)
+    if kernel is not None:
+        return kernel(h, d_au, w)
+    gate, up, silu, act = _swiglu(h, d_au.dtype)
+    d_act = (d_au * w.unsqueeze(-1)).to(silu.dtype)
+    return _swiglu_backward(gate, up, silu, d_act), _rowdot(d_au, act)
+
+
+def _experts_grads_saved(x, g_rows, w_rows, h, gate_up_proj, down_proj, groups):
+    """`_experts_grads` with the forward's up rows h = [gate | up] saved: no up projection and no y recomputed.
+    g_rows [S, H]: grad_out of each row's token in down_proj's dtype, w_rows [S] its routing weight. d_down_proj = sum g^T (act * w);
+    the weight's gradient <g, y> is <g @ down_e, act>, so one grouped matmul gives it and d_act.
+    -> (d_weight of each row fp32 [S], d_x, d_gate_up_proj, d_down_proj)."""
+    d_down = _grouped_wgrad(g_rows, _scaled_act(h, w_rows, down_proj.dtype), groups, down_proj)
+    d_h, d_w_rows = _swiglu_rows_backward(h, _grouped_mm(g_rows, down_proj, groups), w_rows)
+    d_gate_up = _grouped_wgrad(d_h, x, groups, gate_up_proj)
+    return d_w_rows, _grouped_mm(d_h, gate_up_proj, groups), d_gate_up, d_down
 
 
 def _fold(rows, row, num_tokens, top_k, dtype=None):
@@ -397,29 +456,39 @@ def _fold(rows, row, num_tokens, top_k, dtype=None):
     return rows[row].view(num_tokens, top_k, rows.shape[-1]).sum(dim=1, dtype=dtype)
 
 
-def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu"):
+def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu",
+            return_up: bool = False):
     """The experts of the module docstring (HF's grouped_mm experts: one grouped matmul per projection over the
-    pairs sorted by expert); returns (out [T, H], tokens_per_expert [E] int32). A pair whose id is E (the sentinel)
-    is not computed: it adds 0."""
+    pairs sorted by expert); returns (out [T, H], tokens_per_expert [E] int32) (+ the saved up rows of the module
+    docstring with return_up). A pair whose id is E (the sentinel) is not computed: it adds 0."""
     num_tokens, top_k = topk_ids.shape
     rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
     x = _with_zero_row(hidden)[rows.token].to(gate_up_proj.dtype)
-    act = _experts_up(x, gate_up_proj, rows.groups, down_proj.dtype)[3]
+    up = _grouped_mm(x, gate_up_proj.transpose(1, 2), rows.groups)
+    act = _swiglu(up, down_proj.dtype)[3]
     y = _grouped_mm(act, down_proj.transpose(1, 2), rows.groups)
     weighted = y[rows.row].view(num_tokens, top_k, y.shape[-1]) * topk_weights.unsqueeze(-1)
-    return weighted.sum(dim=1).to(hidden.dtype), rows.counts.to(torch.int32)
+    res = (weighted.sum(dim=1).to(hidden.dtype), rows.counts.to(torch.int32))
+    return res + (up,) if return_up else res
 
 
-def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu"):
+def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu",
+                     saved_up: Optional[torch.Tensor] = None):
     """Gradients of `experts` -> (d_hidden fp32 [T, H], d_topk_weights, d_gate_up_proj, d_down_proj).
-    Recomputes the up projection; matmuls run in the weights' dtype, sums accumulate in fp32. Sentinel pairs
-    (id E) get zero gradients."""
+    Recomputes the up projection unless the forward's saved up rows are given; matmuls run in the weights' dtype,
+    sums accumulate in fp32. Sentinel pairs (id E) get zero gradients."""
     num_tokens, top_k = topk_ids.shape
     rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
     x = _with_zero_row(hidden)[rows.token].to(gate_up_proj.dtype)
     product_dtype = torch.promote_types(down_proj.dtype, topk_weights.dtype)
     g = grad_out.to(product_dtype)  # d(weighted pair): the fold sums the pairs of a token
     w_rows = _with_zero_row(topk_weights.reshape(-1))[rows.pair].unsqueeze(-1)
+    if saved_up is not None:
+        d_w_rows, d_x, d_gate_up, d_down = _experts_grads_saved(
+            x, _with_zero_row(grad_out.to(down_proj.dtype))[rows.token], w_rows.squeeze(-1), saved_up, gate_up_proj,
+            down_proj, rows.groups)
+        d_weights = d_w_rows[rows.row].view(num_tokens, top_k).to(topk_weights.dtype)
+        return _fold(d_x, rows.row, num_tokens, top_k, torch.float32), d_weights, d_gate_up, d_down
     d_y = (_with_zero_row(g)[rows.token] * w_rows).to(down_proj.dtype)
     y, d_x, d_gate_up, d_down = _experts_grads(x, d_y, gate_up_proj, down_proj, rows.groups)
     y_pairs = y[rows.row].view(num_tokens, top_k, y.shape[-1]).to(product_dtype)
@@ -584,7 +653,7 @@ def moe_layer(
     ep_group_name: Optional[str] = None,
     ep_world_size: int = 1,
     ep_mode: str = "all_to_all",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
             norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
             return_router_logits, ep_group_name, ep_world_size, ep_mode)
@@ -595,12 +664,23 @@ def moe_layer(
     logits, ids, weights = route(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring,
                                  norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype)
     _check_ep_group("moe_layer", ep_group_name, ep_world_size)
-    if ep_mode == "all_reduce":
-        out, counts = _replicated_forward(hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name)
+    if ep_group_name is None:
+        out, counts, saved_up = experts(hidden, ids, weights, gate_up_proj, down_proj, activation, return_up=True)
     else:
-        out, counts = _experts_any(hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name,
-                                   ep_world_size)
-    return out, (logits if return_router_logits else logits.new_empty(0, logits.shape[1])), counts
+        saved_up = gate_up_proj.new_empty(0, gate_up_proj.shape[1])
+        if ep_mode == "all_reduce":
+            out, counts = _replicated_forward(hidden, ids, weights, gate_up_proj, down_proj, activation,
+                                              ep_group_name)
+        else:
+            out, counts = ep_experts(hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name,
+                                     ep_world_size)
+    return out, (logits if return_router_logits else logits.new_empty(0, logits.shape[1])), counts, saved_up
+
+
+def saved_up_rows(hidden: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int, ep_group_name: Optional[str]) -> int:
+    """Rows of moe_layer's saved up output: T * k pairs + E pad rows without EP, none with EP (the rows an owner
+    receives depend on the routing, so under EP the backward recomputes them)."""
+    return hidden.shape[0] * top_k + gate_up_proj.shape[0] if ep_group_name is None else 0
 
 
 def _check_layer_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
@@ -630,6 +710,7 @@ def _moe_layer_fake(hidden, router_weight, router_bias, score_correction_bias, g
         hidden.new_empty(hidden.shape),
         hidden.new_empty(rows, e, dtype=logits_dtype),
         hidden.new_empty(e, dtype=torch.int32),
+        gate_up_proj.new_empty(saved_up_rows(hidden, gate_up_proj, top_k, ep_group_name), gate_up_proj.shape[1]),
     )
 
 
@@ -654,10 +735,12 @@ def moe_layer_backward(
     ep_group_name: Optional[str],
     ep_world_size: int,
     ep_mode: str = "all_to_all",
+    saved_up: Optional[torch.Tensor] = None,
 ) -> list[torch.Tensor]:
     args = (grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
             down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
-            activation, ep_group_name, ep_world_size, ep_mode)
+            activation, ep_group_name, ep_world_size, ep_mode, saved_up)
+    _check_saved_up(saved_up, hidden, gate_up_proj, top_k, ep_group_name)
     done, fused_out = dispatch.try_fused("moe_layer_backward", hidden.device, *args)
     if done:
         return fused_out
@@ -665,7 +748,10 @@ def moe_layer_backward(
                             n_group, topk_group, routed_scaling_factor, router_dtype)
     _, ids, weights, _ = routed
     _check_ep_group("moe_layer_backward", ep_group_name, ep_world_size)
-    if ep_mode == "all_reduce":
+    if saved_up is not None and saved_up.shape[0]:
+        d_hidden, d_weights, d_gate_up, d_down = experts_backward(grad_out, hidden, ids, weights, gate_up_proj,
+                                                                  down_proj, activation, saved_up)
+    elif ep_mode == "all_reduce":
         d_hidden, d_weights, d_gate_up, d_down = _replicated_backward(grad_out, hidden, ids, weights, gate_up_proj,
                                                                       down_proj, activation, ep_group_name)
     else:
@@ -675,6 +761,15 @@ def moe_layer_backward(
         d_weights, grad_router_logits, routed, router_weight, router_bias, scoring, routed_scaling_factor)
     grads = [(d_hidden + d_hidden_router).to(hidden.dtype), d_router_weight, d_gate_up, d_down]
     return grads + ([d_router_bias] if router_bias is not None else [])
+
+
+def _check_saved_up(saved_up, hidden, gate_up_proj, top_k, ep_group_name) -> None:
+    if saved_up is None or saved_up.shape[0] == 0:
+        return
+    want = (saved_up_rows(hidden, gate_up_proj, top_k, ep_group_name), gate_up_proj.shape[1])
+    if tuple(saved_up.shape) != want or saved_up.dtype != gate_up_proj.dtype:
+        raise ValueError(f"kosmos::moe_layer_backward: saved_up {tuple(saved_up.shape)} {saved_up.dtype} is not "
+                         f"moe_layer's saved up output {want} {gate_up_proj.dtype}")
 
 
 @moe_layer_backward.register_fake
@@ -691,12 +786,14 @@ _LAYER_SCALARS = ("top_k", "scoring", "norm_topk_prob", "n_group", "topk_group",
 
 def _moe_layer_setup_context(ctx, inputs, output):
     hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj = inputs[:6]
-    ctx.save_for_backward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj)
+    ctx.save_for_backward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj,
+                          output[3])
     ctx.scalars = dict(zip(_LAYER_SCALARS, inputs[6:]))
+    ctx.mark_non_differentiable(output[2], output[3])
 
 
-def _moe_layer_autograd(ctx, grad_out, grad_router_logits, _grad_counts):
-    hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj = ctx.saved_tensors
+def _moe_layer_autograd(ctx, grad_out, grad_router_logits, _grad_counts, _grad_saved_up):
+    hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, saved_up = ctx.saved_tensors
     s = ctx.scalars
     if not s["return_router_logits"]:
         grad_router_logits = None
@@ -704,7 +801,7 @@ def _moe_layer_autograd(ctx, grad_out, grad_router_logits, _grad_counts):
         grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
         down_proj, s["top_k"], s["scoring"], s["norm_topk_prob"], s["n_group"], s["topk_group"],
         s["routed_scaling_factor"], s["router_dtype"], s["activation"], s["ep_group_name"], s["ep_world_size"],
-        s["ep_mode"],
+        s["ep_mode"], saved_up,
     )
     d_hidden, d_router_weight, d_gate_up, d_down = grads[:4]
     d_router_bias = grads[4] if router_bias is not None else None

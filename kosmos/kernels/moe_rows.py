@@ -1,0 +1,97 @@
+"""Row-wise Triton kernels of the MoE backward on saved up rows (kosmos.ops.moe `_experts_grads_saved`): the SwiGLU
+pieces between its grouped matmuls, one pass over the rows each instead of eager's ten. Registered with
+kosmos.ops.dispatch as row kernels; the ops keep the torch math for other devices.
+
+    scaled_act(h, w, dtype)          -> act * w          [S, I] in dtype   (act = silu(gate) * up of h = [gate | up])
+    swiglu_rows_backward(h, d_au, w) -> (d_h [S, 2I] in h's dtype, d_w [S] fp32)
+        d_au = grad_out rows @ down_proj[e] (unweighted): d_act = d_au * w, d_h = d SwiGLU, d_w = <d_au, act>
+
+act is rounded as the ops round it (silu and the product in h's dtype, then `dtype`); the backward's arithmetic
+runs in fp32 and is rounded once at the end (eager rounds after every op: differences are at that dtype's
+rounding level)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BR = 16  # rows per program
+BC = 256  # columns per step
+
+
+@triton.jit
+def _act(gate, up, W: tl.constexpr):
+    """silu(gate) * up with the ops' roundings to W; fp32 out."""
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(W).to(tl.float32)
+    return (silu * up.to(tl.float32)).to(W).to(tl.float32)
+
+
+@triton.jit
+def _scaled_act_kernel(h, w, out, S, I, BR: tl.constexpr, BC: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < S
+    r64 = rows.to(tl.int64)
+    wr = tl.load(w + rows, mask=rmask, other=0.0).to(tl.float32)
+    W: tl.constexpr = h.dtype.element_ty
+    D: tl.constexpr = out.dtype.element_ty
+    for c0 in range(0, I, BC):
+        cols = c0 + tl.arange(0, BC)
+        m = rmask[:, None] & (cols < I)[None, :]
+        gate = tl.load(h + r64[:, None] * (2 * I) + cols[None, :], mask=m, other=0.0)
+        up = tl.load(h + r64[:, None] * (2 * I) + I + cols[None, :], mask=m, other=0.0)
+        a = _act(gate, up, W).to(D).to(tl.float32)
+        tl.store(out + r64[:, None] * I + cols[None, :], (a * wr[:, None]).to(D), mask=m)
+
+
+@triton.jit
+def _swiglu_rows_backward_kernel(h, d_au, w, d_h, d_w, S, I, BR: tl.constexpr, BC: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rmask = rows < S
+    r64 = rows.to(tl.int64)
+    wr = tl.load(w + rows, mask=rmask, other=0.0).to(tl.float32)
+    W: tl.constexpr = h.dtype.element_ty
+    D: tl.constexpr = d_au.dtype.element_ty
+    dot = tl.zeros((BR,), dtype=tl.float32)
+    for c0 in range(0, I, BC):
+        cols = c0 + tl.arange(0, BC)
+        m = rmask[:, None] & (cols < I)[None, :]
+        gate = tl.load(h + r64[:, None] * (2 * I) + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        up = tl.load(h + r64[:, None] * (2 * I) + I + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        da = tl.load(d_au + r64[:, None] * I + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        dot += tl.sum(da * _act(gate, up, W).to(D).to(tl.float32), axis=1)
+        d_act = da * wr[:, None]
+        sig = 1.0 / (1.0 + tl.exp(-gate))
+        d_gate = d_act * up * (sig * (1.0 + gate * (1.0 - sig)))
+        d_up = d_act * (gate * sig).to(W).to(tl.float32)
+        tl.store(d_h + r64[:, None] * (2 * I) + cols[None, :], d_gate.to(W), mask=m)
+        tl.store(d_h + r64[:, None] * (2 * I) + I + cols[None, :], d_up.to(W), mask=m)
+    tl.store(d_w + rows, dot, mask=rmask)
+
+
+def _check(h: torch.Tensor, w: torch.Tensor, *more: torch.Tensor) -> None:
+    if not (h.is_cuda and h.is_contiguous() and w.is_contiguous() and all(t.is_contiguous() for t in more)):
+        raise ValueError("kosmos moe_rows: contiguous CUDA tensors expected")
+    if w.shape != (h.shape[0],) or any(t.shape[0] != h.shape[0] for t in more):
+        raise ValueError(f"kosmos moe_rows: row counts differ: h {tuple(h.shape)}, w {tuple(w.shape)}")
+
+
+def scaled_act(h: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """act * w [S, I] in dtype from h [S, 2I] and w [S]."""
+    _check(h, w)
+    S, I = h.shape[0], h.shape[1] // 2
+    out = torch.empty(S, I, dtype=dtype, device=h.device)
+    if S:
+        _scaled_act_kernel[(triton.cdiv(S, BR),)](h, w, out, S, I, BR=BR, BC=BC, num_warps=4)
+    return out
+
+
+def swiglu_rows_backward(h: torch.Tensor, d_au: torch.Tensor, w: torch.Tensor):
+    """(d_h [S, 2I] in h's dtype, d_w [S] fp32) from h [S, 2I], d_au [S, I] and w [S]."""
+    _check(h, w, d_au)
+    S, I = h.shape[0], h.shape[1] // 2
+    d_h = torch.empty_like(h)
+    d_w = torch.empty(S, dtype=torch.float32, device=h.device)
+    if S:
+        _swiglu_rows_backward_kernel[(triton.cdiv(S, BR),)](h, d_au, w, d_h, d_w, S, I, BR=BR, BC=BC, num_warps=4)
+    return d_h, d_w

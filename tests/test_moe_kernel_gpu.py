@@ -6,8 +6,10 @@ Qwen3-MoE with KOSMOS_FUSED_MOE=1 reporting the fused impl.
 The expert outputs are compared with the reference run on the KERNEL's routing (returned with return_routing=True):
 a near-tie between two experts' scores may resolve differently under another accumulation order, which is not an
 error of the experts; the routing itself is compared separately (ids equal on all but a few near-tied rows).
-Outputs are poisoned with NaN before a run where the API allows it.
-Passed on an H200 (2026-11-29; benchmarks/RESULTS.md).
+Outputs are poisoned with NaN before a run where the API allows it (the saved_up tests: every float tensor the
+launcher allocates starts as NaN).
+Passed on an H200 (2026-11-29; benchmarks/RESULTS.md), before the up tiles read x_sorted through TMA and before
+save_up: the saved_up tests (and the rest of the file on the TMA up tiles) have not run on a GPU yet.
 """
 from __future__ import annotations
 
@@ -207,3 +209,96 @@ def test_compiled_tiny_qwen3_moe_runs_fused(monkeypatch):
     moe_runs = {k: n for k, n in runs.items() if k[0] == "moe_layer"}
     assert moe_runs and all(k[1] == "fused" for k in moe_runs), runs
     assert rel_err(out, eager) <= 3e-2
+
+
+# ----------------------------------------------------------------------------------------------- saved_up
+
+
+@pytest.fixture
+def nan_workspaces(monkeypatch):
+    """torch.empty fills every floating-point tensor it makes with NaN (the launcher's workspaces and outputs)."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def saved_up_reference(h, ids, gu):
+    """saved_up from the routing `ids` by a loop over the experts: a zero row, then the expert's tokens in ascending
+    order; a pair's row = hidden[t] (cast to gate_up_proj's dtype W) @ gate_up_proj[e].T in fp32, rounded to W."""
+    E, two_i, _ = gu.shape
+    x = h.to(gu.dtype).float()
+    groups = []
+    for e in range(E):
+        toks = (ids == e).any(dim=1).nonzero().flatten()
+        groups += [torch.zeros(1, two_i, device=h.device), x[toks] @ gu[e].float().T]
+    return torch.cat(groups).to(gu.dtype)
+
+
+def run_saved_up(h, rw, gu, d, top_k, router_bias=None, programs=None):
+    """moe_forward with save_up; checks saved_up (shape, exact-zero pad rows, no row left unwritten, values against
+    saved_up_reference) and that a run without save_up gives the same bits. Returns (out, tpe, saved_up, ids)."""
+    from kosmos.kernels.moe import moe_forward
+
+    E, two_i, _ = gu.shape
+    res = moe_forward(h, rw, router_bias, None, gu, d, top_k, return_router_logits=True, return_routing=True,
+                      save_up=True, programs=programs)
+    plain = moe_forward(h, rw, router_bias, None, gu, d, top_k, return_router_logits=True, return_routing=True,
+                        programs=programs)
+    torch.cuda.synchronize()
+    out, logits, tpe, saved, ids, w = res
+    for a, b in zip(plain, (out, logits, tpe, ids, w)):
+        assert torch.equal(a, b), "save_up changed the results"
+    assert saved.dtype == gu.dtype and tuple(saved.shape) == (ids.numel() + E, two_i)
+    pads = torch.cumsum(tpe.long(), 0) - tpe.long() + torch.arange(E, device=h.device)
+    assert torch.equal(saved[pads], torch.zeros(E, two_i, dtype=saved.dtype, device=h.device)), "pad rows not zero"
+    assert torch.isfinite(saved).all(), "rows left unwritten"
+    err = rel_err(saved, saved_up_reference(h, ids.long(), gu))
+    assert err <= TOL[gu.dtype], err
+    return out, tpe, saved, ids
+
+
+@pytest.mark.parametrize("dtype,T,H,I,E,k", [
+    (torch.bfloat16, 300, 256, 128, 8, 2),  # T, T*k not multiples of BM = 128
+    (torch.bfloat16, 257, 128, 64, 64, 8),
+    (torch.bfloat16, 129, 256, 192, 16, 4),  # 3 I-chunks of 64
+    (torch.bfloat16, 7, 128, 64, 8, 2),  # 14 pairs: most experts without a token
+    (torch.float32, 300, 256, 128, 8, 2),
+])
+def test_saved_up_matches_reference(nan_workspaces, dtype, T, H, I, E, k):
+    h, rw, gu, d = make(T, H, I, E, dtype, seed=T + 1)
+    run_saved_up(h, rw, gu, d, k)
+
+
+def test_saved_up_empty_experts_and_skew(nan_workspaces):
+    h, rw, gu, d = make(513, 256, 128, 16, torch.bfloat16, seed=4)
+    bias = torch.zeros(16, device="cuda", dtype=torch.bfloat16)
+    bias[[0, 5, 9, 15]] = -60.0  # never chosen: the first and the last expert among them
+    bias[3] = 30.0  # every token's first choice
+    _, tpe, _, _ = run_saved_up(h, rw, gu, d, 2, router_bias=bias)
+    assert tpe[[0, 5, 9, 15]].tolist() == [0, 0, 0, 0]
+    assert tpe[3].item() == 513
+
+
+def test_saved_up_all_tokens_on_one_expert_top1(nan_workspaces):
+    h, rw, gu, d = make(1000, 256, 128, 8, torch.bfloat16, seed=5)
+    bias = torch.zeros(8, device="cuda", dtype=torch.bfloat16)
+    bias[6] = 60.0
+    _, tpe, _, _ = run_saved_up(h, rw, gu, d, 1, router_bias=bias)
+    assert tpe.tolist() == [0, 0, 0, 0, 0, 0, 1000, 0]
+
+
+def test_saved_up_bit_identical_over_grid_sizes():
+    from kosmos.kernels.moe import moe_forward
+
+    h, rw, gu, d = make(2000, 512, 256, 32, torch.bfloat16, seed=6)
+    first = moe_forward(h, rw, None, None, gu, d, 4, return_router_logits=True, return_routing=True, save_up=True)
+    for programs in (1, 3, 17, None):
+        for _ in range(2):
+            again = moe_forward(h, rw, None, None, gu, d, 4, return_router_logits=True, return_routing=True,
+                                save_up=True, programs=programs)
+            for a, b in zip(first, again):
+                assert torch.equal(a, b), programs

@@ -3,7 +3,12 @@
 
 The interpreter runs programs one after another: the first program claims and runs every task (each wait is on a
 task it ran itself earlier), the others find the queue empty; so grids of 1 and 3 programs both run here and must
-give the same bits. fp16 / fp32 only (the interpreter's tl.dot on bf16 multiplies raw bits).
+give the same bits. fp16 / fp32 only (the interpreter's tl.dot on bf16 multiplies raw bits). Every float tensor the
+launcher allocates starts as NaN, so a row the kernel forgets to write shows up.
+
+saved_up (save_up=True) is checked against loops over the kernel's own routing: exactly where the data are small
+integers (every product and sum exact, whatever the order), within the rounding of the weight dtype elsewhere; its pad
+rows must be exact zeros, and save_up must not change a bit of the other results.
 
 All kernel cases run in ONE subprocess (TRITON_INTERPRET must be set before triton is imported and must not leak
 into other tests); each test checks its case's line of the report.
@@ -17,7 +22,8 @@ import torch
 CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renorm", "empty_experts",
          "all_on_one_expert", "many_blocks_per_expert", "mixed_hidden_fp32_weights_fp16", "top2_one_token",
          "counters_zeroed_and_error_word", "deepseek_v3_router_fp32", "sigmoid_fp16_plain",
-         "softmax_grouped_corrected_fp16"]
+         "softmax_grouped_corrected_fp16", "saved_up_fp16_ragged_two_i_chunks", "saved_up_empty_experts",
+         "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token"]
 
 
 # ----------------------------------------------------------------------------------------------- cases (subprocess)
@@ -33,26 +39,63 @@ def _inputs(torch, T, H, I, E, dtype, seed, wdtype=None, router_scale=0.5):
     return h, rw, gu, d
 
 
+class _NanWorkspaces:
+    """Within: torch.empty fills every floating-point tensor it makes with NaN (the launcher's workspaces and
+    outputs)."""
+
+    def __init__(self, torch):
+        self.torch, self.empty = torch, torch.empty
+
+    def _empty(self, *args, **kwargs):
+        t = self.empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def __enter__(self):
+        self.torch.empty = self._empty
+
+    def __exit__(self, *exc):
+        self.torch.empty = self.empty
+
+
+def _same_bits(torch, a, b):
+    """a and b hold the same bits (NaNs included: a row left unwritten in both runs is reported by the checks that
+    follow, not as a rerun difference)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        a, b = a.view(bits), b.view(bits)
+    return torch.equal(a, b)
+
+
 def _check(torch, h, rw, gu, d, top_k, *, tol, router_bias=None, norm=True, rsf=1.0, router_dtype=None,
-           programs=(1, 3), scoring="softmax", correction=None, n_group=1, topk_group=1):
+           programs=(1, 3), scoring="softmax", correction=None, n_group=1, topk_group=1, save_up=False,
+           up_tol=None):
     """Runs the kernel (logits returned) with each grid size; checks routing, logits, counts and output against the
-    reference, bit-identical results across runs; returns a summary."""
+    reference, bit-identical results across runs; with save_up also saved_up (_check_saved_up: up_tol None means
+    exact) and that a run without it gives the same bits; returns a summary."""
     from kosmos.kernels.moe import moe_forward
     from kosmos.ops.moe import experts, route
 
     E = gu.shape[0]
     logits, ids, w = route(h, rw, router_bias, correction, top_k, scoring, norm, n_group, topk_group, rsf, router_dtype)
     ref, counts = experts(h, ids, w, gu, d)
+    args = (h, rw, router_bias, correction, gu, d, top_k, scoring, norm, n_group, topk_group)
+    kwargs = dict(routed_scaling_factor=rsf, router_dtype=router_dtype, return_router_logits=True, return_routing=True)
     runs = []
     for p in programs:
-        out, lg, tpe, kid, kw = moe_forward(h, rw, router_bias, correction, gu, d, top_k, scoring, norm, n_group,
-                                            topk_group, routed_scaling_factor=rsf, router_dtype=router_dtype,
-                                            return_router_logits=True, programs=p, return_routing=True)
-        runs.append((out, lg, tpe, kid, kw))
-    out, lg, tpe, kid, kw = runs[0]
+        with _NanWorkspaces(torch):
+            runs.append(moe_forward(*args, **kwargs, programs=p, save_up=save_up))
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
-            assert torch.equal(a, b), "reruns / grid sizes not bit-identical"
+            assert _same_bits(torch, a, b), "reruns / grid sizes not bit-identical"
+    out, lg, tpe = runs[0][:3]
+    kid, kw = runs[0][-2:]
+    summary = {}
+    if save_up:
+        for a, b in zip(moe_forward(*args, **kwargs), runs[0][:3] + runs[0][-2:]):
+            assert _same_bits(torch, a, b), "save_up changed the results"
+        summary["up_err"] = _check_saved_up(torch, runs[0][3], h, kid, gu, tpe, up_tol)
     assert out.dtype == h.dtype and tuple(out.shape) == tuple(h.shape)
     assert lg.dtype == logits.dtype and torch.allclose(lg.float(), logits.float(), rtol=1e-3, atol=1e-3)
     if scoring == "softmax" and correction is None and n_group == 1:
@@ -68,7 +111,40 @@ def _check(torch, h, rw, gu, d, top_k, *, tol, router_bias=None, norm=True, rsf=
     assert torch.isfinite(out).all()
     err = float((out.double() - ref.double()).norm() / ref.double().norm())
     assert err <= tol, err
-    return {"err": err, "counts": tpe.tolist(), "E": E}
+    return {"err": err, "counts": tpe.tolist(), "E": E, **summary}
+
+
+def _saved_up_reference(torch, h, ids, gu):
+    """saved_up by loops over the routing `ids`: experts ascending, each group a zero row, then the expert's pairs in
+    token order; a pair's row is hidden[t] (cast to gate_up_proj's dtype W) @ gate_up_proj[e].T in fp64, rounded to
+    W."""
+    T, k = ids.shape
+    E, two_i, _ = gu.shape
+    x = h.to(gu.dtype).double()
+    rows = []
+    for e in range(E):
+        rows.append(torch.zeros(two_i, dtype=torch.float64))
+        for t in range(T):
+            if e in ids[t].tolist():
+                rows.append(x[t] @ gu[e].double().T)
+    return torch.stack(rows).to(gu.dtype)
+
+
+def _check_saved_up(torch, saved, h, ids, gu, tpe, tol):
+    """saved_up against _saved_up_reference: bit-exact if tol is None, else within relative error tol; its pad rows
+    (start_e + e) exact zeros in any case. Returns the relative error."""
+    E, two_i, _ = gu.shape
+    assert saved.dtype == gu.dtype and tuple(saved.shape) == (ids.numel() + E, two_i), (saved.dtype, saved.shape)
+    ref = _saved_up_reference(torch, h, ids, gu)
+    pads = (torch.cumsum(tpe.long(), 0) - tpe.long()) + torch.arange(E)
+    assert torch.equal(saved[pads], torch.zeros(E, two_i, dtype=saved.dtype)), "pad rows not zero"
+    assert torch.isfinite(saved).all(), "rows left unwritten"
+    err = float((saved.double() - ref.double()).norm() / ref.double().norm())
+    if tol is None:
+        assert torch.equal(saved, ref), f"saved_up not exact (relative error {err})"
+    else:
+        assert err <= tol, err
+    return err
 
 
 def case_fp16_top2_renorm(torch):
@@ -163,6 +239,51 @@ def case_softmax_grouped_corrected_fp16(torch):
     h, rw, gu, d = _inputs(torch, 20, 32, 16, 8, torch.float16, 12)
     corr = torch.linspace(0.02, -0.02, 8)
     return _check(torch, h, rw, gu, d, 2, tol=2e-3, correction=corr, n_group=2, topk_group=1, rsf=1.5)
+
+
+def case_saved_up_fp16_ragged_two_i_chunks(torch):
+    # T=37: 3 token tiles (fewer than the 4 experts: one SCATTER zeroes two pad rows), I=32: two 16-column chunks
+    h, rw, gu, d = _inputs(torch, 37, 64, 32, 4, torch.float16, 13)
+    return _check(torch, h, rw, gu, d, 2, tol=2e-3, save_up=True, up_tol=1e-3)
+
+
+def case_saved_up_empty_experts(torch):
+    h, rw, gu, d = _inputs(torch, 21, 32, 16, 8, torch.float16, 3)
+    bias = torch.zeros(8, dtype=torch.float16)
+    bias[[0, 4, 7]] = -30.0  # never chosen: the first and the last expert among them
+    res = _check(torch, h, rw, gu, d, 2, tol=2e-3, router_bias=bias, save_up=True, up_tol=1e-3)
+    assert [res["counts"][i] for i in (0, 4, 7)] == [0, 0, 0], res
+    return res
+
+
+def case_saved_up_all_on_one_expert_top1(torch):
+    h, rw, gu, d = _inputs(torch, 20, 32, 16, 4, torch.float32, 4)
+    bias = torch.tensor([0.0, 0.0, 40.0, 0.0])
+    res = _check(torch, h, rw, gu, d, 1, tol=1e-5, router_bias=bias, save_up=True, up_tol=1e-6)
+    assert res["counts"] == [0, 0, 20, 0], res
+    return res
+
+
+def case_saved_up_exact_integers(torch):
+    # small integers: every product and partial sum is exact in fp32 (and the fp16 results are exact too), so
+    # saved_up must equal the loops bit for bit whatever the order of the sums; expert 1 gets no tokens
+    res = {}
+    for dtype in (torch.float32, torch.float16):
+        g = torch.Generator().manual_seed(14)
+        T, H, I, E = 37, 48, 32, 4
+        h = torch.randint(-3, 4, (T, H), generator=g).to(dtype)
+        rw = (torch.randn(E, H, generator=g) * 0.5).to(dtype)
+        gu = torch.randint(-2, 3, (E, 2 * I, H), generator=g).to(dtype)
+        d = (torch.randn(E, H, I, generator=g) * 0.02).to(dtype)
+        bias = torch.tensor([0.0, -60.0, 0.0, 0.0]).to(dtype)
+        res[str(dtype)] = _check(torch, h, rw, gu, d, 2, tol=2e-3, router_bias=bias, save_up=True, up_tol=None)
+        assert res[str(dtype)]["counts"][1] == 0, res
+    return res
+
+
+def case_saved_up_one_token(torch):
+    h, rw, gu, d = _inputs(torch, 1, 32, 16, 4, torch.float16, 8)  # 2 pairs, 2 experts without tokens
+    return _check(torch, h, rw, gu, d, 2, tol=2e-3, save_up=True, up_tol=1e-3)
 
 
 def _main():

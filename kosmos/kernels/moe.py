@@ -22,13 +22,17 @@ program has already claimed):
   of every (tile, expert): expert_start[e] + pairs of e in earlier tiles. So pair (t, j) with expert e of tile
   i has the FIXED row base[i, e] + rank(t, j) in the expert-sorted order (experts ascending, tokens ascending
   inside an expert) whatever the grid and timing. scanned = 1.
-- SCATTER(tile): waits scanned; sorted_token[row] = t for the tile's pairs. scattered += 1.
+- SCATTER(tile): waits scanned; copies each pair's token row, cast to gate_up_proj's dtype W, to its sorted row
+  of x_sorted [T*k, H] (so an expert's rows are contiguous: the UP tiles read them through TMA); with save_up also
+  zeroes the pad rows of saved_up of the experts e = tile (mod n_tiles) (every expert's, empty ones included).
+  scattered += 1 (its proxy fence publishes x_sorted to the TMA reads).
 - UP(block b, I-chunk ib): waits scattered == n_tiles; block b is the b-th BM-row block of the expert-sorted rows
   (blocks never straddle experts: expert e owns ceil(count_e / BM) blocks); blocks past the real number exit.
-  Gathers the BM token rows with pointer loads, gate and up GEMMs against gate_up_proj[e] (TMA descriptor over
-  gate_up_proj viewed [E*2I, H]), SwiGLU with the reference's roundings (gate/up rounded to the weight dtype,
-  silu rounded, product rounded, cast to down_proj's dtype), masked store into act [T*k, I] (sorted rows).
-  up_done[b] += 1.
+  Gate and up GEMMs of x_sorted rows row0 .. row0+BM-1 against gate_up_proj[e] (TMA descriptors over x_sorted and
+  gate_up_proj viewed [E*2I, H]; rows from the expert's end on belong to the next expert or read as zeros past
+  T*k, and are never stored), SwiGLU with the reference's roundings (gate/up rounded to W, silu rounded, product
+  rounded, cast to down_proj's dtype), masked store into act [T*k, I] (sorted rows); with save_up, gate / up
+  rounded to W into saved_up row (sorted row + e + 1). up_done[b] += 1.
 - DOWN(block b, H-chunk nb): waits up_done[b] == n_iblk; y rows = act rows @ down_proj[e].T (the GEMM core's
   gemm_tile: TMA descriptors over act [T*k, I] and down_proj viewed [E*H, I], fp32 accumulation over I), cast to
   down_proj's dtype, masked store into y [T*k, H]. downed += 1 (also for blocks past the real number).
@@ -62,7 +66,9 @@ Module layout: routing pieces (ROUTE, SCAN, pair rows) in kosmos.kernels.moe_rou
 register; env KOSMOS_FUSED_MOE picks the fused directions) in kosmos.kernels.moe_ops.
 
 Workspaces per call (torch allocator, so a captured graph gets fixed addresses): ids / weights / ranks [T, k],
-counts [n_tiles, E], meta [3E], sorted_token [T*k], act [T*k, I] and y [T*k, H] in down_proj's dtype.
+counts [n_tiles, E], meta [3E], x_sorted [T*k, H] in gate_up_proj's dtype (the gathered token rows: what HF's
+grouped_mm path materialises too; 1 GiB at T=16384, k=8, H=4096 in bf16), act [T*k, I] and y [T*k, H] in
+down_proj's dtype. With save_up the output saved_up [T*k + E, 2I] in gate_up_proj's dtype (moe_forward).
 """
 from __future__ import annotations
 
@@ -137,34 +143,78 @@ def _block_rows(b, meta, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _up_tile(b, ib, meta, sorted_tok, hidden, h_ld, gu_desc, act, H, I, E,
+def _gather_rows(rows, pos, hidden, h_ld, x_sorted, T, H, TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+                 BH: tl.constexpr):
+    """x_sorted[row(t, j)] = hidden[t] cast to x_sorted's dtype, for every pair of a token tile: the UP tiles' A
+    operand, contiguous per expert so that they load it through TMA."""
+    XD: tl.constexpr = x_sorted.dtype.element_ty
+    colk = tl.arange(0, KP)
+    rmask = rows < T
+    rows64 = rows.to(tl.int64)
+    for h0 in range(0, H, BH):
+        hs = h0 + tl.arange(0, BH)
+        m = rmask[:, None] & (hs < H)[None, :]
+        x = tl.load(hidden + rows64[:, None] * h_ld + hs[None, :], mask=m, other=0.0).to(XD)
+        for j in tl.static_range(TOP_K):
+            pj = pick(pos, colk, j).to(tl.int64)
+            tl.store(x_sorted + pj[:, None] * H + hs[None, :], x, mask=m)
+
+
+@triton.jit
+def _zero_pad_rows(tile, n_tiles, meta, saved_up, E, I, BH: tl.constexpr):
+    """Zeroes the pad rows of saved_up (row expert_start[e] + e leads expert e's group) of the experts
+    e = tile (mod n_tiles): the SCATTER tasks share the E pad rows, empty experts' included."""
+    zeros = tl.zeros((BH,), dtype=saved_up.dtype.element_ty)
+    for e0 in range(0, E, n_tiles):
+        e = e0 + tile
+        if e < E:
+            row = (tl.load(meta + e, cache_modifier=".cg") + e).to(tl.int64)
+            for c0 in range(0, 2 * I, BH):
+                cs = c0 + tl.arange(0, BH)
+                tl.store(saved_up + row * (2 * I) + cs, zeros, mask=cs < 2 * I)
+
+
+@triton.jit
+def _scatter_tile(tile, n_tiles, ids_ptr, rank_ptr, counts, meta, hidden, h_ld, x_sorted, saved_up, T, H, I, E,
+                  TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, SAVE_UP: tl.constexpr):
+    rows, m2, offs, pos = pair_rows(tile, ids_ptr, rank_ptr, counts, T, E, TOP_K, KP, BT)
+    _gather_rows(rows, pos, hidden, h_ld, x_sorted, T, H, TOP_K, KP, BT, BH)
+    if SAVE_UP:
+        _zero_pad_rows(tile, n_tiles, meta, saved_up, E, I, BH)
+
+
+@triton.jit
+def _up_tile(b, ib, meta, x_desc, gu_desc, act, saved_up, H, I, E,
              BM: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
-             UP_PRECISION: tl.constexpr):
+             UP_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr):
     W: tl.constexpr = gu_desc.dtype
     valid, e, row0, row_end = _block_rows(b, meta, E, BM, BLOCK_E)
     if valid:
-        rows = row0 + tl.arange(0, BM)
-        rmask = rows < row_end
-        tok = tl.load(sorted_tok + rows, mask=rmask, other=0, cache_modifier=".cg").to(tl.int64)
+        # rows from row_end on (the next expert's, or past the end: zeros) are computed and never stored
         g_row = e * 2 * I + ib * BI
         u_row = g_row + I
         acc_g = tl.zeros((BM, BI), dtype=tl.float32)
         acc_u = tl.zeros((BM, BI), dtype=tl.float32)
         for k0 in range(0, H, BK):
-            ks = k0 + tl.arange(0, BK)
-            x = tl.load(hidden + tok[:, None] * h_ld + ks[None, :], mask=rmask[:, None] & (ks < H)[None, :],
-                        other=0.0).to(W)
+            x = x_desc.load([row0, k0])
             g = gu_desc.load([g_row, k0])
             u = gu_desc.load([u_row, k0])
             acc_g = tl.dot(x, g.T, acc_g, input_precision=UP_PRECISION)
             acc_u = tl.dot(x, u.T, acc_u, input_precision=UP_PRECISION)
-        gate = acc_g.to(W).to(tl.float32)
-        up = acc_u.to(W).to(tl.float32)
+        gate_w = acc_g.to(W)
+        up_w = acc_u.to(W)
+        rows = row0 + tl.arange(0, BM)
+        cols = ib * BI + tl.arange(0, BI)
+        m = (rows < row_end)[:, None] & (cols < I)[None, :]
+        if SAVE_UP:  # expert e's rows sit past the pad rows of experts 0..e
+            saved = saved_up + (rows + e + 1).to(tl.int64)[:, None] * (2 * I) + cols[None, :]
+            tl.store(saved, gate_w, mask=m)
+            tl.store(saved + I, up_w, mask=m)
+        gate = gate_w.to(tl.float32)
+        up = up_w.to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(W).to(tl.float32)
         a = (silu * up).to(W).to(act.dtype.element_ty)
-        cols = ib * BI + tl.arange(0, BI)
-        tl.store(act + rows.to(tl.int64)[:, None] * I + cols[None, :], a,
-                 mask=rmask[:, None] & (cols < I)[None, :])
+        tl.store(act + rows.to(tl.int64)[:, None] * I + cols[None, :], a, mask=m)
 
 
 @triton.jit
@@ -208,8 +258,8 @@ def _fold_tile(tile, ids_ptr, rank_ptr, w_ptr, base, y, out, o_ld, T, H, E,
 
 @triton.jit(do_not_specialize=["T", "n_tiles", "max_blocks", "err_host", "timeout_ns"])
 def moe_forward_kernel(ctrl, err_host, timeout_ns,
-                       hidden, h_ld, rw, rw_ld, rb, cb, gu_desc, down_desc, act_desc,
-                       logits, ids_ptr, w_ptr, rank_ptr, counts, meta, tpe, sorted_tok, act, y, out, o_ld,
+                       hidden, h_ld, rw, rw_ld, rb, cb, x_desc, gu_desc, down_desc, act_desc,
+                       logits, ids_ptr, w_ptr, rank_ptr, counts, meta, tpe, x_sorted, act, saved_up, y, out, o_ld,
                        T, H, I, E, rsf, eps, n_tiles, max_blocks,
                        SIGMOID: tl.constexpr, HAS_CB: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                        SD_ROUND: tl.constexpr, CD_ROUND: tl.constexpr,
@@ -218,7 +268,7 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        BKR: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr,
                        BN: tl.constexpr, BK2: tl.constexpr, BH: tl.constexpr, SCAN_T: tl.constexpr,
                        PD_F32: tl.constexpr, ROUTER_PRECISION: tl.constexpr, UP_PRECISION: tl.constexpr,
-                       DOWN_PRECISION: tl.constexpr, USE_ASM: tl.constexpr):
+                       DOWN_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, USE_ASM: tl.constexpr):
     err_host = err_host.to(tl.pointer_type(tl.int32))  # host-mapped (pinned) mirror
     err = ctrl + C_ERR
     n_iblk = tl.cdiv(I, BI)
@@ -245,18 +295,16 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
         elif t < up0:  # ---- SCATTER
             status = wait_flag(ctrl + C_SCANNED, 1, err, timeout_ns, "gpu", USE_ASM)
             if status == 0:
-                tile = t - scatter0
-                rows, m2, offs, pos = pair_rows(tile, ids_ptr, rank_ptr, counts, T, E, TOP_K, KP, BT)
-                tok = rows[:, None] + tl.zeros((BT, KP), dtype=tl.int32)
-                tl.store(sorted_tok + pos, tok, mask=m2)
-                _signal(ctrl + C_SCATTERED, USE_ASM)
+                _scatter_tile(t - scatter0, n_tiles, ids_ptr, rank_ptr, counts, meta, hidden, h_ld, x_sorted,
+                              saved_up, T, H, I, E, TOP_K, KP, BT, BH, SAVE_UP)
+                _signal(ctrl + C_SCATTERED, USE_ASM)  # its proxy fence: x_sorted is read by TMA
         elif t < down0:  # ---- UP
             status = wait_flag(ctrl + C_SCATTERED, n_tiles, err, timeout_ns, "gpu", USE_ASM)
             if status == 0:
                 u = t - up0
                 b = u // n_iblk
-                _up_tile(b, u - b * n_iblk, meta, sorted_tok, hidden, h_ld, gu_desc, act, H, I, E,
-                         BM, BI, BK, BLOCK_E, UP_PRECISION)
+                _up_tile(b, u - b * n_iblk, meta, x_desc, gu_desc, act, saved_up, H, I, E,
+                         BM, BI, BK, BLOCK_E, UP_PRECISION, SAVE_UP)
                 _signal(ctrl + C_UP + b, USE_ASM)
         elif t < fold0:  # ---- DOWN
             d = t - down0
@@ -292,9 +340,9 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-    """Tiles: BT tokens per route / fold tile (BKR: router K block, BH: fold columns), BM sorted rows per expert
-    block, BI columns of I per up tile (two accumulators, gate and up), BK its K block over H, BN columns of H per
-    down tile, BK2 its K block over I."""
+    """Tiles: BT tokens per route / scatter / fold tile (BKR: router K block, BH: columns per step of the scatter's
+    row copies and of the fold), BM sorted rows per expert block, BI columns of I per up tile (two accumulators,
+    gate and up), BK its K block over H, BN columns of H per down tile, BK2 its K block over I."""
     bt: int = 64
     bkr: int = 64
     bm: int = 128
@@ -408,11 +456,17 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
                 top_k: int, scoring: str = "softmax", norm_topk_prob: bool = True, n_group: int = 1,
                 topk_group: int = 1, routed_scaling_factor: float = 1.0, router_dtype: Optional[torch.dtype] = None,
                 activation: str = "silu", return_router_logits: bool = False, *, programs: Optional[int] = None,
-                config: Optional[MoeConfig] = None, return_routing: bool = False):
+                config: Optional[MoeConfig] = None, return_routing: bool = False, save_up: bool = False):
     """kosmos::moe_layer's forward (ep_group_name None) in one launch -> (out [T, H], router_logits [T, E] or
-    [0, E], tokens_per_expert [E] int32) (+ (topk_ids [T, k] int32, topk_weights [T, k] fp32 of the logits-dtype
-    values) with return_routing). Raises ValueError for what the kernel does not support (moe_ops.why_not_moe_layer
-    says the same without raising). programs: grid size (default one per SM; 1 in the interpreter)."""
+    [0, E], tokens_per_expert [E] int32) (+ (saved_up,) with save_up) (+ (topk_ids [T, k] int32, topk_weights
+    [T, k] fp32 of the logits-dtype values) with return_routing). Raises ValueError for what the kernel does not
+    support (moe_ops.why_not_moe_layer says the same without raising). programs: grid size (default one per SM; 1
+    in the interpreter).
+
+    saved_up [T*k + E, 2I] in gate_up_proj's dtype: the up projection [gate | up] of every pair, rounded to that
+    dtype (what the backward reads instead of recomputing it), in the reference's padded expert-major layout
+    (kosmos.ops.moe._SortedPairs): expert e's group is rows [start_e + e, start_e + e + 1 + count_e), an all-zero
+    pad row, then e's pairs in ascending token order (start_e: pairs of the experts before e)."""
     from kosmos.kernels.moe_ops import kernel_reason
 
     reason = kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
@@ -441,10 +495,12 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
     counts = torch.empty(n_tiles, E, **i32)
     meta = torch.empty(3 * E, **i32)
     tpe = torch.empty(E, **i32)
-    sorted_tok = torch.empty(pairs, **i32)
+    x_sorted = torch.empty(pairs, H, dtype=gate_up_proj.dtype, device=device)
     act = torch.empty(pairs, I, dtype=down_proj.dtype, device=device)
+    saved_up = torch.empty(pairs + E if save_up else 1, two_i, dtype=gate_up_proj.dtype, device=device)
     y = torch.empty(pairs, H, dtype=down_proj.dtype, device=device)
     out = torch.empty(T, H, dtype=hidden.dtype, device=device)
+    x_desc = TensorDescriptor(x_sorted, [pairs, H], [H, 1], [cfg.bm, cfg.bk])
     gu_desc = TensorDescriptor(gate_up_proj.view(E * two_i, H), [E * two_i, H], [H, 1], [cfg.bi, cfg.bk])
     down_desc = TensorDescriptor(down_proj.view(E * H, I), [E * H, I], [I, 1], [cfg.bn, cfg.bk2])
     act_desc = TensorDescriptor(act, [pairs, I], [I, 1], [cfg.bm, cfg.bk2])
@@ -457,14 +513,14 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
     args = (ctl.ctrl, ctl.err_host.data_ptr(), runtime.spin_timeout_ns(),
             hidden, hidden.stride(0), router_weight, router_weight.stride(0),
             router_bias if router_bias is not None else router_weight,
-            score_correction_bias if score_correction_bias is not None else router_weight, gu_desc, down_desc, act_desc,
-            logits_arg, ids, wts, ranks, counts, meta, tpe, sorted_tok, act, y, out, out.stride(0),
+            score_correction_bias if score_correction_bias is not None else router_weight, x_desc, gu_desc, down_desc,
+            act_desc, logits_arg, ids, wts, ranks, counts, meta, tpe, x_sorted, act, saved_up, y, out, out.stride(0),
             T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles, mb)
     meta_kw = dict(**routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd,
                                         router_bias, score_correction_bias, top_k, E, gate_up_proj.dtype,
                                         down_proj.dtype),
                    RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
-                   BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, USE_ASM=not interp,
+                   BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=bool(save_up), USE_ASM=not interp,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P,)
     runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,
@@ -474,6 +530,8 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
         moe_forward_kernel[grid](*args, **meta_kw)
     ctl.after_launch()
     res = (out, logits, tpe)
+    if save_up:
+        res = res + (saved_up,)
     if return_routing:
         res = res + (ids, wts)
     return res

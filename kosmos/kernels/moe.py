@@ -380,6 +380,20 @@ def select_config(hidden: torch.Tensor, gate_up_proj: torch.Tensor, num_experts:
     return cfg
 
 
+# The non-EP forward's wider expert tiles for 16-bit weights: UP BM x 2*128 (gate and up), DOWN BM x 256. Same
+# bits as the default tiles (the K blocks are unchanged); on the H200 at Qwen3-235B dims (T=16384) 9.73 ms vs
+# 12.73 (benchmarks/moe_configs.py, RESULTS.md). Tried first; a build that does not fit falls back to the default.
+WIDE_FORWARD = dict(bi=128, bn=256)
+
+
+def forward_configs(hidden: torch.Tensor, gate_up_proj: torch.Tensor) -> list:
+    """The configs moe_forward tries in order when none is given."""
+    cfg = select_config(hidden, gate_up_proj)
+    if runtime.interpreting() or gate_up_proj.dtype == torch.float32:
+        return [cfg]
+    return [dataclasses.replace(cfg, **WIDE_FORWARD), cfg]
+
+
 def max_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
     """Upper bound of sum_e ceil(count_e / bm) over every routing of num_pairs pairs onto num_experts experts."""
     return (num_pairs + min(num_experts, num_pairs) * (bm - 1)) // bm
@@ -473,12 +487,27 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
                            scoring, n_group, topk_group, router_dtype, activation)
     if reason is not None:
         raise ValueError(f"kosmos moe_forward: {reason}")
+    args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
+            norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits, programs)
+    if config is not None:
+        return _moe_forward(*args, config, return_routing, save_up)
+    candidates = forward_configs(hidden, gate_up_proj)
+    for cfg in candidates[:-1]:
+        try:
+            return _moe_forward(*args, cfg, return_routing, save_up)
+        except runtime.KernelDoesNotFit as e:
+            runtime.log.info("kosmos moe_forward: tiles %s do not fit (%s); trying the next config", cfg, e)
+    return _moe_forward(*args, candidates[-1], return_routing, save_up)
+
+
+def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
+                 norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits,
+                 programs, cfg, return_routing, save_up):
     device = hidden.device
     T, H = hidden.shape
     E, two_i, _ = gate_up_proj.shape
     I = two_i // 2
     rd = router_dtype or hidden.dtype
-    cfg = config or select_config(hidden, gate_up_proj)
     n_tiles = triton.cdiv(T, cfg.bt)
     mb = max_blocks(T * top_k, E, cfg.bm)
     n_tasks = num_tasks(T, H, I, E, top_k, cfg)

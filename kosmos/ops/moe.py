@@ -440,20 +440,34 @@ def _swiglu_rows_backward(h, d_au, w):
     return _swiglu_backward(gate, up, silu, d_act), _rowdot(d_au, act)
 
 
-def _experts_grads_saved(x, g_rows, w_rows, h, gate_up_proj, down_proj, groups):
-    """`_experts_grads` with the forward's up rows h = [gate | up] saved: no up projection and no y recomputed.
-    g_rows [S, H]: grad_out of each row's token in down_proj's dtype, w_rows [S] its routing weight. d_down_proj = sum g^T (act * w);
-    the weight's gradient <g, y> is <g @ down_e, act>, so one grouped matmul gives it and d_act.
-    -> (d_weight of each row fp32 [S], d_x, d_gate_up_proj, d_down_proj)."""
-    d_down = _grouped_wgrad(g_rows, _scaled_act(h, w_rows, down_proj.dtype), groups, down_proj)
-    d_h, d_w_rows = _swiglu_rows_backward(h, _grouped_mm(g_rows, down_proj, groups), w_rows)
-    d_gate_up = _grouped_wgrad(d_h, x, groups, gate_up_proj)
-    return d_w_rows, _grouped_mm(d_h, gate_up_proj, groups), d_gate_up, d_down
+def _experts_backward_saved(grad_out, hidden, rows, top_k, w_rows, h, gate_up_proj, down_proj):
+    """The experts' backward with the forward's up rows h = [gate | up] saved: no up projection and no y
+    recomputed. w_rows [S]: each row's routing weight. d_down_proj = sum g^T (act * w) with g the rows' grad_out;
+    the weight's gradient <g, y> is <g @ down_e, act>, so one grouped matmul gives it and d_act. Temporaries are
+    dropped as soon as they are used (peak memory: the weight grads, h, d_h and one [S, H] buffer at a time).
+    -> (d_hidden fp32 [T, H], d_weight of each row fp32 [S], d_gate_up_proj, d_down_proj)."""
+    g = _with_zero_row(grad_out.to(down_proj.dtype))[rows.token]
+    d_down = _grouped_wgrad(g, _scaled_act(h, w_rows, down_proj.dtype), rows.groups, down_proj)
+    d_au = _grouped_mm(g, down_proj, rows.groups)
+    del g
+    d_h, d_w_rows = _swiglu_rows_backward(h, d_au, w_rows)
+    del d_au
+    x = _with_zero_row(hidden)[rows.token].to(gate_up_proj.dtype)
+    d_gate_up = _grouped_wgrad(d_h, x, rows.groups, gate_up_proj)
+    del x
+    d_x = _grouped_mm(d_h, gate_up_proj, rows.groups)
+    del d_h
+    return _fold(d_x, rows.row, grad_out.shape[0], top_k, torch.float32), d_w_rows, d_gate_up, d_down
 
 
 def _fold(rows, row, num_tokens, top_k, dtype=None):
-    """[T, k, H] -> [T, H]: the pair rows rows[row[t * k + j]] summed over the slots j (in `dtype` if given)."""
-    return rows[row].view(num_tokens, top_k, rows.shape[-1]).sum(dim=1, dtype=dtype)
+    """[T, H]: the pair rows rows[row[t * k + j]] summed over the slots j in order (in `dtype` if given), one
+    slot at a time (no [T, k, H] temporary)."""
+    row = row.view(num_tokens, top_k)
+    out = rows[row[:, 0]].to(dtype or rows.dtype)
+    for j in range(1, top_k):
+        out += rows[row[:, j]]
+    return out
 
 
 def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu",
@@ -467,9 +481,19 @@ def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation:
     up = _grouped_mm(x, gate_up_proj.transpose(1, 2), rows.groups)
     act = _swiglu(up, down_proj.dtype)[3]
     y = _grouped_mm(act, down_proj.transpose(1, 2), rows.groups)
-    weighted = y[rows.row].view(num_tokens, top_k, y.shape[-1]) * topk_weights.unsqueeze(-1)
-    res = (weighted.sum(dim=1).to(hidden.dtype), rows.counts.to(torch.int32))
+    res = (_fold_weighted(y, rows.row, topk_weights).to(hidden.dtype), rows.counts.to(torch.int32))
     return res + (up,) if return_up else res
+
+
+def _fold_weighted(y, row, topk_weights):
+    """[T, H]: sum over the slots j of y[row[t * k + j]] * topk_weights[t, j], each product in the promoted
+    dtype, summed in fp32 one slot at a time, rounded once to the promoted dtype (no [T, k, H] temporary)."""
+    num_tokens, top_k = topk_weights.shape
+    row = row.view(num_tokens, top_k)
+    acc = (y[row[:, 0]] * topk_weights[:, :1]).float()
+    for j in range(1, top_k):
+        acc += y[row[:, j]] * topk_weights[:, j : j + 1]
+    return acc.to(torch.promote_types(y.dtype, topk_weights.dtype))
 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu",
@@ -479,16 +503,16 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, dow
     sums accumulate in fp32. Sentinel pairs (id E) get zero gradients."""
     num_tokens, top_k = topk_ids.shape
     rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
+    w_rows = _with_zero_row(topk_weights.reshape(-1))[rows.pair].unsqueeze(-1)
+    if saved_up is not None:
+        d_hidden, d_w_rows, d_gate_up, d_down = _experts_backward_saved(grad_out, hidden, rows, top_k,
+                                                                        w_rows.squeeze(-1), saved_up, gate_up_proj,
+                                                                        down_proj)
+        d_weights = d_w_rows[rows.row].view(num_tokens, top_k).to(topk_weights.dtype)
+        return d_hidden, d_weights, d_gate_up, d_down
     x = _with_zero_row(hidden)[rows.token].to(gate_up_proj.dtype)
     product_dtype = torch.promote_types(down_proj.dtype, topk_weights.dtype)
     g = grad_out.to(product_dtype)  # d(weighted pair): the fold sums the pairs of a token
-    w_rows = _with_zero_row(topk_weights.reshape(-1))[rows.pair].unsqueeze(-1)
-    if saved_up is not None:
-        d_w_rows, d_x, d_gate_up, d_down = _experts_grads_saved(
-            x, _with_zero_row(grad_out.to(down_proj.dtype))[rows.token], w_rows.squeeze(-1), saved_up, gate_up_proj,
-            down_proj, rows.groups)
-        d_weights = d_w_rows[rows.row].view(num_tokens, top_k).to(topk_weights.dtype)
-        return _fold(d_x, rows.row, num_tokens, top_k, torch.float32), d_weights, d_gate_up, d_down
     d_y = (_with_zero_row(g)[rows.token] * w_rows).to(down_proj.dtype)
     y, d_x, d_gate_up, d_down = _experts_grads(x, d_y, gate_up_proj, down_proj, rows.groups)
     y_pairs = y[rows.row].view(num_tokens, top_k, y.shape[-1]).to(product_dtype)
@@ -565,8 +589,7 @@ def ep_experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activati
     x = plan.dispatch(hidden[plan.token].to(gate_up_proj.dtype))
     act = _experts_up(x, gate_up_proj, plan.groups, down_proj.dtype)[3]
     y_home = plan.combine(_grouped_mm(act, down_proj.transpose(1, 2), plan.groups))  # [T * k, H], sorted-pair order
-    weighted = y_home[plan.row].view(num_tokens, top_k, y_home.shape[-1]) * topk_weights.unsqueeze(-1)
-    return weighted.sum(dim=1).to(hidden.dtype), plan.global_counts()
+    return _fold_weighted(y_home, plan.row, topk_weights).to(hidden.dtype), plan.global_counts()
 
 
 def ep_experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str,

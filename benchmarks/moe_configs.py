@@ -1,0 +1,67 @@
+"""Tile configs of the fused MoE forward (kosmos.kernels.moe.moe_forward) on one layer's dims: each config's
+median time (triton do_bench, L2 flushed), its output checked bit-identical to the default config's or within
+bf16 tolerance (a different BK changes the sum order), and the router + routing timed alone as a floor.
+
+    PYTHONPATH=. python3 benchmarks/moe_configs.py --layer qwen3_235b --T 16384 --configs default,bi128,bi128_s4
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from benchmarks.moe import LAYERS
+
+CONFIGS = {  # name -> MoeConfig fields replaced on the default
+    "default": {},
+    "bi128": dict(bi=128),
+    "bi128_s4": dict(bi=128, num_stages=4),
+    "bn256": dict(bn=256),
+    "bi128_bn256": dict(bi=128, bn=256),
+    "bk128": dict(bk=128, bk2=128, num_stages=2),
+    "w4": dict(num_warps=4),
+}
+
+
+def main() -> None:
+    import triton
+
+    from kosmos.kernels import moe
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layer", default="qwen3_235b", choices=list(LAYERS))
+    p.add_argument("--T", type=int, default=16384)
+    p.add_argument("--configs", default="default,bi128")
+    args = p.parse_args()
+    d = LAYERS[args.layer]
+    H, I, E, k = d["H"], d["I"], d["E"], d["k"]
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    hidden = torch.randn(args.T, H, device=dev, dtype=dt)
+    rw = torch.randn(E, H, device=dev, dtype=dt) / H**0.5
+    gu = torch.randn(E, 2 * I, H, device=dev, dtype=dt) / H**0.5
+    down = torch.randn(E, H, I, device=dev, dtype=dt) / I**0.5
+    base = moe.select_config(hidden, gu, E)
+    ref = None
+    flops = 2 * args.T * k * (H * 2 * I + I * H)
+    print(f"{args.layer} T={args.T}: {flops / 1e12:.2f} TFLOP of expert GEMMs")
+    for name in args.configs.split(","):
+        cfg = dataclasses.replace(base, **CONFIGS[name])
+        try:
+            def fn(cfg=cfg):
+                return moe.moe_forward(hidden, rw, None, None, gu, down, k, config=cfg)
+            out = fn()[0]
+            ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+        except Exception as e:  # noqa: BLE001  (a config that does not fit: say so, go on)
+            print(f"{name:>14}: failed: {type(e).__name__}: {str(e)[:160]}")
+            continue
+        if ref is None:
+            ref = out
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        same = torch.equal(out, ref)
+        print(f"{name:>14}: {ms:8.3f} ms  {flops / ms / 1e9:6.0f} TF/s  vs first: {'bit-identical' if same else f'rel err {err:.1e}'}")
+
+
+if __name__ == "__main__":
+    main()

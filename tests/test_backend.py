@@ -22,11 +22,26 @@ def ag_mm(x, w):
     return (g @ w).relu()
 
 
+def _installed() -> bool:
+    """kosmos installed as a distribution (pip install -e . / wheel): what registers its entry point. The lent GPU
+    machine runs it from source (nothing can be installed there): the two entry-point tests skip there."""
+    try:
+        importlib.metadata.distribution("kosmos")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+needs_install = pytest.mark.skipif(not _installed(), reason="kosmos is not pip-installed here (run from source)")
+
+
+@needs_install
 def test_entry_point_registered():
     eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
     assert any(ep.name == "kosmos" and ep.value == "kosmos.backend:kosmos_backend" for ep in eps)
 
 
+@needs_install
 def test_backend_by_name_without_import():
     code = (
         "import sys, torch\n"

@@ -5,6 +5,8 @@ kosmos.ops.dispatch as row kernels; the ops keep the torch math for other device
     scaled_act(h, w, dtype)          -> act * w          [S, I] in dtype   (act = silu(gate) * up of h = [gate | up])
     swiglu_rows_backward(h, d_au, w) -> (d_h [S, 2I] in h's dtype, d_w [S] fp32)
         d_au = grad_out rows @ down_proj[e] (unweighted): d_act = d_au * w, d_h = d SwiGLU, d_w = <d_au, act>
+    fold(rows, row, weights=None)    -> [T, H]: sum over slots j (in order, fp32) of rows[row[t, j]] (* weights[t, j],
+        each product rounded to P = promote(rows, weights)); fp32 out, or P with weights
 
 act is rounded as the ops round it (silu and the product in h's dtype, then `dtype`); the backward's arithmetic
 runs in fp32 and is rounded once at the end (eager rounds after every op: differences are at that dtype's
@@ -95,3 +97,39 @@ def swiglu_rows_backward(h: torch.Tensor, d_au: torch.Tensor, w: torch.Tensor):
     if S:
         _swiglu_rows_backward_kernel[(triton.cdiv(S, BR),)](h, d_au, w, d_h, d_w, S, I, BR=BR, BC=BC, num_warps=4)
     return d_h, d_w
+
+
+@triton.jit
+def _fold_kernel(rows, row, w, out, T, H, TOP_K: tl.constexpr, HAS_W: tl.constexpr, ROUND_P: tl.constexpr,
+                 BT: tl.constexpr, BH: tl.constexpr):
+    ts = tl.program_id(0) * BT + tl.arange(0, BT)
+    hs = tl.program_id(1) * BH + tl.arange(0, BH)
+    tmask = ts < T
+    m = tmask[:, None] & (hs < H)[None, :]
+    P: tl.constexpr = out.dtype.element_ty
+    acc = tl.zeros((BT, BH), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        r = tl.load(row + ts.to(tl.int64) * TOP_K + j, mask=tmask, other=0).to(tl.int64)
+        v = tl.load(rows + r[:, None] * H + hs[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_W:
+            v = v * tl.load(w + ts.to(tl.int64) * TOP_K + j, mask=tmask, other=0.0).to(tl.float32)[:, None]
+            if ROUND_P:
+                v = v.to(P).to(tl.float32)
+        acc += v
+    tl.store(out + ts.to(tl.int64)[:, None] * H + hs[None, :], acc.to(P), mask=m)
+
+
+def fold(rows: torch.Tensor, row: torch.Tensor, weights=None) -> torch.Tensor:
+    """[T, H] from rows [S, H] and row [T, k] (indices into rows), optionally weighted by weights [T, k]."""
+    T, k = row.shape
+    if not (rows.is_cuda and rows.is_contiguous() and row.is_contiguous()):
+        raise ValueError("kosmos moe_rows.fold: contiguous CUDA tensors expected")
+    if weights is not None and (weights.shape != row.shape or not weights.is_contiguous()):
+        raise ValueError(f"kosmos moe_rows.fold: weights {tuple(weights.shape)} vs row {tuple(row.shape)}")
+    P = torch.float32 if weights is None else torch.promote_types(rows.dtype, weights.dtype)
+    out = torch.empty(T, rows.shape[1], dtype=P, device=rows.device)
+    if T:
+        grid = (triton.cdiv(T, 32), triton.cdiv(rows.shape[1], 256))
+        _fold_kernel[grid](rows, row, weights if weights is not None else rows, out, T, rows.shape[1], TOP_K=k,
+                           HAS_W=weights is not None, ROUND_P=P != torch.float32, BT=32, BH=256, num_warps=4)
+    return out

@@ -464,6 +464,9 @@ def _fold(rows, row, num_tokens, top_k, dtype=None):
     """[T, H]: the pair rows rows[row[t * k + j]] summed over the slots j in order (in `dtype` if given), one
     slot at a time (no [T, k, H] temporary)."""
     row = row.view(num_tokens, top_k)
+    kernel = dispatch.row_kernel("moe_fold", rows.device)
+    if kernel is not None and dtype == torch.float32 and rows.is_contiguous():
+        return kernel(rows, row)
     out = rows[row[:, 0]].to(dtype or rows.dtype)
     for j in range(1, top_k):
         out += rows[row[:, j]]
@@ -490,6 +493,9 @@ def _fold_weighted(y, row, topk_weights):
     dtype, summed in fp32 one slot at a time, rounded once to the promoted dtype (no [T, k, H] temporary)."""
     num_tokens, top_k = topk_weights.shape
     row = row.view(num_tokens, top_k)
+    kernel = dispatch.row_kernel("moe_fold", y.device)
+    if kernel is not None and y.is_contiguous():
+        return kernel(y, row, topk_weights.contiguous())
     acc = (y[row[:, 0]] * topk_weights[:, :1]).float()
     for j in range(1, top_k):
         acc += y[row[:, j]] * topk_weights[:, j : j + 1]

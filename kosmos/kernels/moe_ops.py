@@ -1,11 +1,13 @@
 """Plugs the fused MoE kernels into `kosmos::moe_layer` (forward: kosmos.kernels.moe) and
 `kosmos::moe_layer_backward` (backward: kosmos.kernels.moe_backward) through kosmos.ops.dispatch.
 
-Env KOSMOS_FUSED_MOE (read at each call) picks the directions that run fused: "forward" (default), "1" both,
-"0" neither. Both kernels pass their GPU tests on an H200. On its benchmark cells (benchmarks/RESULTS.md) the fused
-backward is slower than the op's reference impl (3x on Qwen3-30B-A3B, 4x on Qwen3-235B since the reference runs
-grouped matmuls), so it is opt-in; the fused forward is faster than the reference on Qwen3-30B-A3B (3.98 vs 4.25
-ms) and DeepSeek-V3 (measured against the older, looping reference), slower on Qwen3-235B (13.10 vs 11.90).
+Env KOSMOS_FUSED_MOE (read at each call) picks the directions that run fused: unset (the default: the forward,
+except for an fp32 router on 16-bit hidden states), "forward", "1" both, "0" neither. Both kernels pass their GPU
+tests on an H200. On the benchmark cells (benchmarks/RESULTS.md, fifth session, T=16384) the fused backward is
+5-6x slower than the op's reference impl (grouped matmuls on the saved up projection), so it is opt-in; the fused
+forward is faster than the reference on Qwen3-30B-A3B (2.89 vs 3.36 ms) and Qwen3-235B (9.99 vs 10.13), slower
+on DeepSeek-V3 (30.75 vs 28.26; fwd+bwd 96.5 vs 86.0), whose fp32 router the kernel computes exactly on CUDA
+cores: so by default an fp32 router on 16-bit hidden states takes the reference (FP32_ROUTER_REASON).
 `why_not_*` also refuses, with the reason:
 - non-CUDA tensors, GPUs before sm_90 (TMA descriptors);
 - expert parallelism (ep_group_name set) on a real process group: the EP kernels (kosmos.kernels.moe_ep,
@@ -37,6 +39,8 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 _MODES = {"forward": ("forward",), "1": ("forward", "backward"), "0": ()}
+FP32_ROUTER_REASON = (f"fp32 router on 16-bit hidden states: the fused forward is slower than this reference impl "
+                      f"there on an H200 (DeepSeek-V3 layer, benchmarks/RESULTS.md); {ENV}=forward forces it")
 
 
 def enabled(direction: str) -> bool:
@@ -45,6 +49,15 @@ def enabled(direction: str) -> bool:
     if mode not in _MODES:
         raise ValueError(f"{ENV}={mode!r}: expected one of {sorted(_MODES)}")
     return direction in _MODES[mode]
+
+
+def _default_forward_reason(hidden, router_dtype) -> Optional[str]:
+    """Where the default (env unset) leaves the forward to the reference because it measured faster."""
+    if ENV in os.environ:
+        return None
+    if router_dtype == torch.float32 and hidden.dtype != torch.float32:
+        return FP32_ROUTER_REASON
+    return None
 
 
 def kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
@@ -122,7 +135,7 @@ def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias,
                       ep_mode="all_to_all") -> Optional[str]:
     if not enabled("forward"):
         return f"fused MoE forward switched off ({ENV}={os.environ.get(ENV)})"
-    reason = _device_reason(hidden, ep_group_name, ep_mode)
+    reason = _device_reason(hidden, ep_group_name, ep_mode) or _default_forward_reason(hidden, router_dtype)
     if reason is not None:
         return reason
     return kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,

@@ -1,4 +1,4 @@
-"""Row-wise Triton kernels of the MoE backward on saved up rows (kosmos.ops.moe `_experts_grads_saved`): the SwiGLU
+"""Row-wise Triton kernels of the MoE backward on saved up rows (kosmos.ops.moe `_experts_backward_saved`): the SwiGLU
 pieces between its grouped matmuls, one pass over the rows each instead of eager's ten. Registered with
 kosmos.ops.dispatch as row kernels; the ops keep the torch math for other devices.
 
@@ -30,11 +30,16 @@ def _act(gate, up, W: tl.constexpr):
 
 
 @triton.jit
-def _scaled_act_kernel(h, w, out, S, I, BR: tl.constexpr, BC: tl.constexpr):
+def _row_block(w, S, BR: tl.constexpr):
+    """This program's BR rows: (mask, int64 indices, their weights in fp32)."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < S
-    r64 = rows.to(tl.int64)
-    wr = tl.load(w + rows, mask=rmask, other=0.0).to(tl.float32)
+    return rmask, rows.to(tl.int64), tl.load(w + rows, mask=rmask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _scaled_act_kernel(h, w, out, S, I, BR: tl.constexpr, BC: tl.constexpr):
+    rmask, r64, wr = _row_block(w, S, BR)
     W: tl.constexpr = h.dtype.element_ty
     D: tl.constexpr = out.dtype.element_ty
     for c0 in range(0, I, BC):
@@ -48,10 +53,7 @@ def _scaled_act_kernel(h, w, out, S, I, BR: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def _swiglu_rows_backward_kernel(h, d_au, w, d_h, d_w, S, I, BR: tl.constexpr, BC: tl.constexpr):
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = rows < S
-    r64 = rows.to(tl.int64)
-    wr = tl.load(w + rows, mask=rmask, other=0.0).to(tl.float32)
+    rmask, r64, wr = _row_block(w, S, BR)
     W: tl.constexpr = h.dtype.element_ty
     D: tl.constexpr = d_au.dtype.element_ty
     dot = tl.zeros((BR,), dtype=tl.float32)
@@ -68,7 +70,7 @@ def _swiglu_rows_backward_kernel(h, d_au, w, d_h, d_w, S, I, BR: tl.constexpr, B
         d_up = d_act * (gate * sig).to(W).to(tl.float32)
         tl.store(d_h + r64[:, None] * (2 * I) + cols[None, :], d_gate.to(W), mask=m)
         tl.store(d_h + r64[:, None] * (2 * I) + I + cols[None, :], d_up.to(W), mask=m)
-    tl.store(d_w + rows, dot, mask=rmask)
+    tl.store(d_w + r64, dot, mask=rmask)
 
 
 def _check(h: torch.Tensor, w: torch.Tensor, *more: torch.Tensor) -> None:

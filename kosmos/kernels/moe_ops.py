@@ -4,7 +4,7 @@
 Env KOSMOS_FUSED_MOE (read at each call) picks the directions that run fused: unset (the default: the forward,
 except for an fp32 router on 16-bit hidden states), "forward", "1" both, "0" neither. Both kernels pass their GPU
 tests on an H200. On the benchmark cells (benchmarks/RESULTS.md, fifth session, T=16384) the fused backward is
-5-6x slower than the op's reference impl (grouped matmuls on the saved up projection), so it is opt-in; the fused
+about 8x slower than the op's reference impl (grouped matmuls on the saved up projection), so it is opt-in; the fused
 forward is faster than the reference on Qwen3-30B-A3B (2.89 vs 3.36 ms) and Qwen3-235B (9.99 vs 10.13), slower
 on DeepSeek-V3 (30.75 vs 28.26; fwd+bwd 96.5 vs 86.0), whose fp32 router the kernel computes exactly on CUDA
 cores: so by default an fp32 router on 16-bit hidden states takes the reference (FP32_ROUTER_REASON).

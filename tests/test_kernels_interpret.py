@@ -248,9 +248,9 @@ class _RankView:
 
 
 def _threaded_interpreter():
-    """Makes the interpreter's grid index / grid size thread-local and leaves the language patched (each
-    launch would otherwise restore triton.language while another thread's launch still runs). Only for the
-    threads subprocess."""
+    """Makes the interpreter's grid index / grid size thread-local, leaves the language patched (each launch
+    would otherwise restore triton.language while another thread's launch still runs) and serializes its
+    first-use bookkeeping. Only for the threads subprocess."""
     import threading
 
     import triton.runtime.interpreter as interp
@@ -263,42 +263,68 @@ def _threaded_interpreter():
     interp.InterpreterBuilder.grid_idx = prop("grid_idx")
     interp.InterpreterBuilder.grid_dim = prop("grid_dim")
     interp._LangPatchScope.restore = lambda self: None
-    # the interpreter's atomics are numpy read-modify-writes: a thread switch between the read and the write
-    # loses a peer's flag store (e.g. an acquire spin's atomic_add(flag, 0) writing back the old value), and the
-    # waiting rank then spins forever (seen once in CI: the threads subprocess hung for 300 s). One lock makes
-    # each atomic whole, as on the GPU.
-    lock = threading.Lock()
-    for name in ("create_atomic_rmw", "create_atomic_cas"):
-        original = getattr(interp.InterpreterBuilder, name)
+    # A jit function's first rewrite copies the interpreter's globals into the function's module, and every call
+    # walks that module's globals (_patch_lang): a thread switch inside the walk while another rank's thread
+    # rewrites a function of that module makes the walk raise "dictionary changed size during iteration", and the
+    # failed rank's peers spin on its flags for ever (the CI hangs of this subprocess). One lock around both. The
+    # interpreter's warning registry is made beforehand: a first warning would insert it into the globals a
+    # rewrite walks. (Its atomics need no lock: one C++ call each, made holding the GIL.)
+    lock = threading.RLock()
 
-        def locked(self, *args, _original=original, **kwargs):
+    def locked(f):
+        def g(*args, **kwargs):
             with lock:
-                return _original(self, *args, **kwargs)
+                return f(*args, **kwargs)
 
-        setattr(interp.InterpreterBuilder, name, locked)
+        return g
+
+    interp._patch_lang = locked(interp._patch_lang)
+    interp.InterpretedFunction.rewrite = locked(interp.InterpretedFunction.rewrite)
+    vars(interp).setdefault("__warningregistry__", {})
     sys.setswitchinterval(0.0005)  # a spinning rank hands the GIL over sooner
 
 
-def _run_ranks(sw, fn):
-    """fn(rank_view, rank) on one thread per rank, concurrently; re-raises the first failure."""
+def _run_ranks(sw, fn, timeout=120.0):
+    """fn(rank_view, rank) on one thread per rank, concurrently; re-raises the first failure. A rank that raises
+    or is still running after `timeout` s sets every rank's error word, so the others' spins end (the spin bound
+    set in _main is never reached in the interpreter); on a timeout every thread's stack goes to stderr."""
+    import faulthandler
     import threading
+    import time
     import traceback
+
+    import torch
+
+    from kosmos.kernels import runtime, signals
 
     sw.workspace.ensure(1 << 12, 1 << 22)
     errors = []
+
+    def abort():
+        for buf in sw.workspace.buffers:
+            buf[:runtime.CTRL_WORDS * 4].view(torch.int32)[runtime.CTRL_ERR] = signals.ERR_ABORTED.value
 
     def body(r):
         try:
             fn(_RankView(sw.workspace, r), r)
         except Exception:  # noqa: BLE001
             errors.append(traceback.format_exc())
+            abort()
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(sw.world)]
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}", daemon=True) for r in range(sw.world)]
     for t in threads:
         t.start()
+    end = time.monotonic() + timeout
     for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a rank's thread hangs"
+        t.join(max(0.0, end - time.monotonic()))
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        print(f"threads {alive} still running after {timeout:g} s:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        abort()
+        for t in threads:
+            t.join(10)
+    assert not alive, f"{alive} still running after {timeout:g} s (stacks on stderr); {errors[:1]}"
     assert not errors, errors[0]
 
 
@@ -472,10 +498,14 @@ def case_threads_moe_ep(torch, SimWorld):
 
 
 def _main() -> None:
+    import faulthandler
+
     import torch
 
     from kosmos.kernels.runtime import SimWorld
 
+    # still running near the parent's timeout: every thread's stack to stderr, then exit (the parent shows it)
+    faulthandler.dump_traceback_later(_TIMEOUT_S - 30, exit=True)
     torch.manual_seed(0)
     names = sys.argv[1:]
     if names and names[0] == "--threads":
@@ -486,6 +516,7 @@ def _main() -> None:
         runtime.set_spin_timeout(120.0)  # spins are counted (1 us each), and a rank may wait for the others
     results = {}
     for name in names:
+        print(f"case {name}", file=sys.stderr, flush=True)
         try:
             results[name] = {"ok": True, **globals()["case_" + name](torch, SimWorld)}
         except Exception as e:  # noqa: BLE001
@@ -495,14 +526,22 @@ def _main() -> None:
     print("RESULTS " + json.dumps(results))
 
 
+_TIMEOUT_S = 300
+
+
 def _run_subprocess(args):
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=root)
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env, capture_output=True,
+                              text=True, timeout=_TIMEOUT_S, cwd=root)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        raise AssertionError(f"interpreter subprocess still running after {_TIMEOUT_S} s:\n{err[-12000:]}") from None
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert lines, f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert lines, (f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                   f"{proc.stderr[-12000:]}")
     return json.loads(lines[-1][len("RESULTS "):])
 
 

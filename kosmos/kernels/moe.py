@@ -440,10 +440,7 @@ class _Control:
             raise exc
 
     def after_launch(self) -> None:
-        if runtime.debug_sync() and not runtime.capturing(self.device):
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.check()
+        runtime.check_after_launch(self.device, self.check)
 
 
 _controls: dict = {}
@@ -489,15 +486,14 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
         raise ValueError(f"kosmos moe_forward: {reason}")
     args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
             norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits, programs)
-    if config is not None:
-        return _moe_forward(*args, config, return_routing, save_up)
-    candidates = forward_configs(hidden, gate_up_proj)
-    for cfg in candidates[:-1]:
+    candidates = [config] if config is not None else forward_configs(hidden, gate_up_proj)
+    for i, cfg in enumerate(candidates):
         try:
             return _moe_forward(*args, cfg, return_routing, save_up)
         except runtime.KernelDoesNotFit as e:
+            if i == len(candidates) - 1:
+                raise
             runtime.log.info("kosmos moe_forward: tiles %s do not fit (%s); trying the next config", cfg, e)
-    return _moe_forward(*args, candidates[-1], return_routing, save_up)
 
 
 def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,

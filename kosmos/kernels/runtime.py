@@ -105,6 +105,15 @@ def refuse_growth_in_capture(device: torch.device, what: str) -> None:
                            "before capturing")
 
 
+def check_after_launch(device: torch.device, check) -> None:
+    """In debug mode (KOSMOS_DEBUG_SYNC=1) waits for the kernel just launched and runs `check` (its error word) at
+    once; outside CUDA graph capture."""
+    if debug_sync() and not capturing(device):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        check()
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -252,11 +261,7 @@ class Workspace:
             raise exc
 
     def after_launch(self) -> None:
-        """In debug mode (KOSMOS_DEBUG_SYNC=1) waits for the kernel and checks its error word at once."""
-        if debug_sync() and not capturing(self.device):
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.check()
+        check_after_launch(self.device, self.check)
 
     def read_device_error(self) -> list[int]:
         """The error words of the local ranks' control blocks (syncs; for tests and post-mortems)."""

@@ -509,17 +509,16 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, dow
     sums accumulate in fp32. Sentinel pairs (id E) get zero gradients."""
     num_tokens, top_k = topk_ids.shape
     rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
-    w_rows = _with_zero_row(topk_weights.reshape(-1))[rows.pair].unsqueeze(-1)
+    w_rows = _with_zero_row(topk_weights.reshape(-1))[rows.pair]
     if saved_up is not None:
-        d_hidden, d_w_rows, d_gate_up, d_down = _experts_backward_saved(grad_out, hidden, rows, top_k,
-                                                                        w_rows.squeeze(-1), saved_up, gate_up_proj,
-                                                                        down_proj)
+        d_hidden, d_w_rows, d_gate_up, d_down = _experts_backward_saved(grad_out, hidden, rows, top_k, w_rows,
+                                                                        saved_up, gate_up_proj, down_proj)
         d_weights = d_w_rows[rows.row].view(num_tokens, top_k).to(topk_weights.dtype)
         return d_hidden, d_weights, d_gate_up, d_down
     x = _with_zero_row(hidden)[rows.token].to(gate_up_proj.dtype)
     product_dtype = torch.promote_types(down_proj.dtype, topk_weights.dtype)
     g = grad_out.to(product_dtype)  # d(weighted pair): the fold sums the pairs of a token
-    d_y = (_with_zero_row(g)[rows.token] * w_rows).to(down_proj.dtype)
+    d_y = (_with_zero_row(g)[rows.token] * w_rows.unsqueeze(-1)).to(down_proj.dtype)
     y, d_x, d_gate_up, d_down = _experts_grads(x, d_y, gate_up_proj, down_proj, rows.groups)
     y_pairs = y[rows.row].view(num_tokens, top_k, y.shape[-1]).to(product_dtype)
     d_weights = (g.unsqueeze(1) * y_pairs).float().sum(dim=-1).to(topk_weights.dtype)

@@ -1,20 +1,25 @@
-"""Helpers for TP tests: gloo process groups on this machine, and tiny HF models built from configs.
+"""Helpers for distributed tests: gloo (CPU) or NCCL (one GPU a rank) process groups on this machine, and
+tiny HF models built from configs.
 
     results = run_ranks(fn, world_size, *args)   # fn(rank, world_size, *args) in each of `world_size` processes
+    results = run_ranks(fn, 2, backend="nccl", timeout=120)   # rank r on cuda:r
     model = tiny_hf_model("qwen3", seed=0)       # random weights, nothing downloaded
 
-Each rank runs in a fresh `spawn`ed process with a gloo default process group on a FileStore, one
-intra-op thread (CI has 2 cores), and returns `fn`'s result (anything torch.save can write);
-`run_ranks` returns the list of results ordered by rank. An exception in any rank fails the call with
-that rank's traceback. `fn` must be importable by name (a module-level function).
+Each rank runs in a fresh `spawn`ed process with a default process group on a FileStore, one intra-op
+thread (CI has 2 cores), and returns `fn`'s result (anything torch.save can write); `run_ranks` returns the
+list of results ordered by rank. An exception in any rank fails the call with that rank's traceback; past
+`timeout` seconds every rank is killed and the call fails (a hang never outlives its test). `fn` must be
+importable by name (a module-level function). NVLink multicast stays off in NCCL ranks.
 """
 from __future__ import annotations
 
 import faulthandler
 import multiprocessing.util
 import os
+import signal
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -23,11 +28,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Callable, args: tuple, threads: int) -> None:
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Callable, args: tuple, threads: int,
+            backend: str = "gloo") -> None:
     faulthandler.enable(file=sys.stderr, all_threads=True)  # a native abort still shows the Python stacks
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # run_ranks' timeout dumps stacks
     torch.set_num_threads(threads)
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    if backend == "nccl":
+        os.environ.update(NO_MULTICAST)
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     try:
         out = fn(rank, world_size, *args)
         torch.save(out, os.path.join(result_dir, f"rank{rank}.pt"))
@@ -46,8 +62,9 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
     os._exit(0)
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, threads: int = 1) -> list:
-    """Runs fn(rank, world_size, *args) on `world_size` gloo ranks; returns their results by rank.
+def run_ranks(fn: Callable, world_size: int, *args: Any, threads: int = 1, backend: str = "gloo",
+              timeout: float | None = None) -> list:
+    """Runs fn(rank, world_size, *args) on `world_size` ranks of `backend`; returns their results by rank.
 
     The ranks share a private Inductor cache (a fresh folder), so runs beside this one cannot race on
     its files, but not its FX graph cache: a graph one rank loaded from another's compile would skip the
@@ -58,11 +75,23 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, threads: int = 1) -> li
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            mp.spawn(_worker, args=(world_size, store_path, tmp, fn, args, threads), nprocs=world_size, join=True)
+            ctx = mp.start_processes(_worker, args=(world_size, store_path, tmp, fn, args, threads, backend),
+                                     nprocs=world_size, join=False, start_method="spawn")
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not ctx.join(timeout=1.0):
+                if deadline is not None and time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        if p.is_alive():
+                            os.kill(p.pid, signal.SIGUSR1)
+                    time.sleep(2.0)
+                    for p in ctx.processes:
+                        if p.is_alive():
+                            p.kill()
+                    raise TimeoutError(f"ranks still running after {timeout} s: killed")
         except Exception as e:
             errs = sorted(f for f in os.listdir(tmp) if f.endswith(".err"))
             detail = "\n".join(open(os.path.join(tmp, f)).read() for f in errs[:1])
-            raise RuntimeError(f"rank(s) failed: {errs}\n{detail}") from e
+            raise RuntimeError(f"rank(s) failed: {errs or e}\n{detail}") from e
         finally:
             for k, v in old.items():
                 if v is None:

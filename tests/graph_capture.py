@@ -88,6 +88,7 @@ def skeleton(code: str, kosmos_only: bool = False) -> str:
 
 
 _TOKEN = re.compile(r"(?<![.\w'])[a-z_][a-z0-9_]*(?![\w'.])")
+_KWARG = re.compile(r"(?<=[(,] )[a-z_][a-z0-9_]*(?= = )")  # a keyword argument's name (auto_functionalized calls)
 
 
 def _renumber(text: str) -> str:
@@ -95,7 +96,7 @@ def _renumber(text: str) -> str:
 
     def sub(m):
         tok = m.group(0)
-        if tok.startswith("tangents"):
+        if tok.startswith("tangents") or _KWARG.match(m.string, m.start()):
             return tok  # primals_N numbering differs between torch versions; tangents_N does not
         return names.setdefault(tok, f"t{len(names)}")
 
@@ -121,7 +122,9 @@ def _skeleton_lines(code: str) -> str:
 
 
 def count_ops(code: str, op: str) -> int:
-    return len(re.findall(rf"torch\.ops\.kosmos\.{op}\.default\(", code))
+    """Calls of kosmos::`op` in a graph's code, direct or through auto_functionalized (an op that mutates an input,
+    as moe_layer_backward does saved_up, is functionalized in post-grad graphs)."""
+    return len(re.findall(rf"torch\.ops\.kosmos\.{op}\.default[(,]", code))
 
 
 _MATMULS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")

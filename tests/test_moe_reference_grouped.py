@@ -105,10 +105,12 @@ def run(hidden, ids, weights, gate_up, down, grad_out):
 
 
 def run_saved(hidden, ids, weights, gate_up, down, grad_out):
-    """The moe_layer path: the forward's saved up rows feed the backward (nothing of the experts recomputed)."""
+    """The moe_layer path: the forward's saved up rows feed the backward (nothing of the experts recomputed; the
+    backward overwrites them)."""
     out, counts, up = moe.experts(hidden, ids, weights, gate_up, down, return_up=True)
+    forward_up = up.clone()
     grads = moe.experts_backward(grad_out, hidden, ids, weights, gate_up, down, saved_up=up)
-    return [out, *grads], counts, up
+    return [out, *grads], counts, forward_up
 
 
 def saved_up_layout(hidden, ids, gate_up):
@@ -393,9 +395,17 @@ def test_gpu_row_kernels_match_torch(monkeypatch, S, I, w_dtype):
     d_au = torch.randn(S, I, device="cuda", generator=g).to(torch.bfloat16)
     w = torch.rand(S, device="cuda", generator=g).to(w_dtype)
     assert dispatch.row_kernel("moe_scaled_act", h.device) is not None
-    fused = [moe._scaled_act(h, w, torch.bfloat16), *moe._swiglu_rows_backward(h, d_au, w)]
+    from kosmos.kernels import moe_rows
+
+    apart = moe_rows.swiglu_rows_backward(h, d_au, w)  # d_h in a new tensor
+    h_fused = h.clone()
+    fused = [moe._scaled_act(h, w, torch.bfloat16), *moe._swiglu_rows_backward_(h_fused, d_au, w)]
+    assert fused[1].data_ptr() == h_fused.data_ptr()  # written over h
+    assert torch.equal(fused[1], apart[0]) and torch.equal(fused[2], apart[1])  # in place: the same bits
     monkeypatch.setattr(dispatch, "row_kernel", lambda name, device: None)
-    torch_math = [moe._scaled_act(h, w, torch.bfloat16), *moe._swiglu_rows_backward(h, d_au, w)]
+    h_torch = h.clone()
+    torch_math = [moe._scaled_act(h, w, torch.bfloat16), *moe._swiglu_rows_backward_(h_torch, d_au, w)]
+    assert torch_math[1].data_ptr() == h_torch.data_ptr()
     for name, a, b in zip(["act * w", "d_h", "d_w"], fused, torch_math):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert rel_err(a, b) <= (1e-3 if name != "d_h" else 5e-3), (name, rel_err(a, b))

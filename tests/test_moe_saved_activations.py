@@ -6,6 +6,8 @@ than what that path saves). Measured with torch.autograd.graph.saved_tensors_hoo
 counted once, tiny HF Qwen3-MoE and DeepSeek-V3 blocks on CPU in fp32. (Peak device memory needs a GPU: not here.)"""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -53,3 +55,76 @@ def test_kosmos_saves_no_more_than_inductor(family):
         num_experts, two_i, _ = block.experts.gate_up_proj.shape
         saved_up = (TOKENS * model.config.num_experts_per_tok + num_experts) * two_i * x.element_size()
         assert ours[0] == x.numel() * x.element_size() + params + saved_up, (ours, params, saved_up)
+
+
+# ------------------------------------------------------------------ the backward overwrites saved_up (peak memory)
+
+
+def _block_and_input(tokens=64):
+    model = tiny_qwen3_moe()
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, tokens, block.experts.gate_up_proj.shape[-1], requires_grad=True)
+    return block, x
+
+
+def _grads(fn, x, params, twice=False):
+    """Gradients of fn(x).sin().sum() w.r.t. x and params; with twice, a second backward through the same graph."""
+    loss = fn(x).sin().sum()
+    first = torch.autograd.grad(loss, [x, *params], retain_graph=twice)
+    return (first, torch.autograd.grad(loss, [x, *params])) if twice else first
+
+
+def test_compiled_backward_writes_d_up_over_saved_up():
+    """Inductor reinplaces moe_layer_backward's mutation of saved_up onto the saved buffer (AOT autograd donates
+    it): the backward allocates no copy of saved_up, which is what keeps its peak memory down."""
+    from torch._inductor.utils import run_and_get_code
+
+    block, x = _block_and_input()
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="kosmos", options={"tp_sp": False})
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _, codes = run_and_get_code(lambda: compiled(x).sum().backward())
+    (backward,) = [c for c in codes if "moe_layer_backward" in c]
+    call = next(line for line in backward.splitlines() if "moe_layer_backward.default(" in line)
+    assert "clone" not in backward, backward
+    buf = re.search(r"'all_to_all', (?:reinterpret_tensor\()?(\w+)", call).group(1)  # saved_up, the last argument
+    assert any(line.strip().startswith(f"{buf} = ") and "# reuse" in line for line in backward.splitlines()), call
+
+
+def test_second_backward_through_overwritten_saved_up_raises_or_is_right():
+    """retain_graph=True: a second backward must never read the overwritten saved_up. Eagerly autograd's version
+    counter raises. Compiled, AOT autograd either raises (a backward compiled with donated buffers) or compiles the
+    backward without donating saved_up (torch >= 2.13 when the first backward retains the graph; always with
+    donated_buffer=False), and then the op overwrites a copy: both backwards are right."""
+    import torch._functorch.config as functorch_config
+
+    block, x = _block_and_input()
+    params = [block.experts.gate_up_proj, block.experts.down_proj, block.gate.weight]
+    want = _grads(block, x, params)
+    op_args = (x[0], block.gate.weight, None, None, block.experts.gate_up_proj, block.experts.down_proj, 2,
+               "softmax", True)
+    loss = torch.ops.kosmos.moe_layer(*op_args)[0].sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):  # a cached graph keeps its own donation
+        for donated in (True, False):
+            with functorch_config.patch(donated_buffer=donated):
+                torch._dynamo.reset()
+                compiled = torch.compile(block, backend="kosmos", options={"tp_sp": False})
+                try:
+                    results = _grads(compiled, x, params, twice=True)
+                except RuntimeError as e:
+                    assert donated and "donated buffers" in str(e), e
+                    continue
+                for got in results:
+                    for a, b in zip(got, want):
+                        assert (a - b).abs().max() <= 1e-5 * b.abs().max(), (a - b).abs().max()
+        # the usual step (no retain_graph) then a retaining one: compiled with donation, so it must raise
+        with functorch_config.patch(donated_buffer=True):
+            torch._dynamo.reset()
+            compiled = torch.compile(block, backend="kosmos", options={"tp_sp": False})
+            _grads(compiled, x, params)
+            with pytest.raises(RuntimeError, match="donated buffers"):
+                _grads(compiled, x, params, twice=True)

@@ -3,7 +3,7 @@ pieces between its grouped matmuls, one pass over the rows each instead of eager
 kosmos.ops.dispatch as row kernels; the ops keep the torch math for other devices.
 
     scaled_act(h, w, dtype)          -> act * w          [S, I] in dtype   (act = silu(gate) * up of h = [gate | up])
-    swiglu_rows_backward(h, d_au, w) -> (d_h [S, 2I] in h's dtype, d_w [S] fp32)
+    swiglu_rows_backward(h, d_au, w, in_place=False) -> (d_h [S, 2I] in h's dtype, d_w [S] fp32); in_place: d_h over h
         d_au = grad_out rows @ down_proj[e] (unweighted): d_act = d_au * w, d_h = d SwiGLU, d_w = <d_au, act>
     fold(rows, row, weights=None)    -> [T, H]: sum over slots j (in order, fp32) of rows[row[t, j]] (* weights[t, j],
         each product rounded to P = promote(rows, weights)); fp32 out, or P with weights
@@ -52,7 +52,8 @@ def _scaled_act_kernel(h, w, out, S, I, BR: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_rows_backward_kernel(h, d_au, w, d_h, d_w, S, I, BR: tl.constexpr, BC: tl.constexpr):
+def _swiglu_rows_backward_kernel(h, d_au, w, d_h, d_w, S, I, IN_PLACE: tl.constexpr, BR: tl.constexpr,
+                                 BC: tl.constexpr):
     rmask, r64, wr = _row_block(w, S, BR)
     W: tl.constexpr = h.dtype.element_ty
     D: tl.constexpr = d_au.dtype.element_ty
@@ -68,6 +69,8 @@ def _swiglu_rows_backward_kernel(h, d_au, w, d_h, d_w, S, I, BR: tl.constexpr, B
         sig = 1.0 / (1.0 + tl.exp(-gate))
         d_gate = d_act * up * (sig * (1.0 + gate * (1.0 - sig)))
         d_up = d_act * (gate * sig).to(W).to(tl.float32)
+        if IN_PLACE:  # d_h is h: every thread's loads of this block are done before any thread overwrites it
+            tl.debug_barrier()
         tl.store(d_h + r64[:, None] * (2 * I) + cols[None, :], d_gate.to(W), mask=m)
         tl.store(d_h + r64[:, None] * (2 * I) + I + cols[None, :], d_up.to(W), mask=m)
     tl.store(d_w + r64, dot, mask=rmask)
@@ -90,14 +93,16 @@ def scaled_act(h: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return out
 
 
-def swiglu_rows_backward(h: torch.Tensor, d_au: torch.Tensor, w: torch.Tensor):
-    """(d_h [S, 2I] in h's dtype, d_w [S] fp32) from h [S, 2I], d_au [S, I] and w [S]."""
+def swiglu_rows_backward(h: torch.Tensor, d_au: torch.Tensor, w: torch.Tensor, in_place: bool = False):
+    """(d_h [S, 2I] in h's dtype, d_w [S] fp32) from h [S, 2I], d_au [S, I] and w [S]; with in_place, d_h is
+    written over h (and returned)."""
     _check(h, w, d_au)
     S, I = h.shape[0], h.shape[1] // 2
-    d_h = torch.empty_like(h)
+    d_h = h if in_place else torch.empty_like(h)
     d_w = torch.empty(S, dtype=torch.float32, device=h.device)
     if S:
-        _swiglu_rows_backward_kernel[(triton.cdiv(S, BR),)](h, d_au, w, d_h, d_w, S, I, BR=BR, BC=BC, num_warps=4)
+        _swiglu_rows_backward_kernel[(triton.cdiv(S, BR),)](h, d_au, w, d_h, d_w, S, I, IN_PLACE=in_place, BR=BR,
+                                                            BC=BC, num_warps=4)
     return d_h, d_w
 
 

@@ -50,7 +50,9 @@ saved_up is empty and the backward recomputes the up projection.
 Backward ops (one launch per direction; registered as the ops' autograd, so after AOT autograd the backward
 graph holds one call per MoE layer):
     moe_layer_backward(grad_out, grad_router_logits?, <moe_layer's inputs but return_router_logits>, saved_up?)
-        -> [d_hidden, d_router_weight, d_gate_up_proj, d_down_proj] (+ [d_router_bias] if router_bias is given)
+        -> (d_hidden, d_router_weight, d_gate_up_proj, d_down_proj, d_router_bias ([0] without router_bias))
+        saved_up is overwritten (its storage holds the SwiGLU backward's d_up): a second backward through the same
+        saved tensors raises (autograd's version check; compiled graphs: AOT autograd's donated-buffer check)
     moe_experts_backward(grad_out, <moe_experts' inputs>) -> [d_hidden, d_topk_weights, d_gate_up_proj, d_down_proj]
 They save the forward's inputs (moe_layer also saved_up) and recompute the rest: the routing, and without
 saved_up rows the up projection (`route_backward`, `experts_backward`: matmuls in the weights' dtype, sums in
@@ -429,35 +431,35 @@ def _scaled_act(h, w, dtype):
     return (act.to(torch.promote_types(dtype, w.dtype)) * w.unsqueeze(-1)).to(dtype)
 
 
-def _swiglu_rows_backward(h, d_au, w):
-    """(d_h [S, 2I] of h's dtype, d_w [S] fp32) for act = silu(gate) * up of h: d_au [S, I] is grad_out rows @
-    down_proj[e] without the routing weights w [S], so d_act = d_au * w and d_w = <d_au, act>."""
+def _swiglu_rows_backward_(h, d_au, w):
+    """(d_h [S, 2I] of h's dtype, written over h, d_w [S] fp32) for act = silu(gate) * up of h: d_au [S, I] is
+    grad_out rows @ down_proj[e] without the routing weights w [S], so d_act = d_au * w and d_w = <d_au, act>."""
     kernel = dispatch.row_kernel("moe_swiglu_rows_backward", h.device)
     if kernel is not None:
-        return kernel(h, d_au, w)
+        return kernel(h, d_au, w, in_place=True)
     gate, up, silu, act = _swiglu(h, d_au.dtype)
     d_act = (d_au * w.unsqueeze(-1)).to(silu.dtype)
-    return _swiglu_backward(gate, up, silu, d_act), _rowdot(d_au, act)
+    d_w = _rowdot(d_au, act)
+    return h.copy_(_swiglu_backward(gate, up, silu, d_act)), d_w
 
 
-def _experts_backward_saved(grad_out, hidden, rows, top_k, w_rows, h, gate_up_proj, down_proj):
+def _experts_backward_saved_(grad_out, hidden, rows, top_k, w_rows, h, gate_up_proj, down_proj):
     """The experts' backward with the forward's up rows h = [gate | up] saved: no up projection and no y
-    recomputed. w_rows [S]: each row's routing weight. d_down_proj = sum g^T (act * w) with g the rows' grad_out;
-    the weight's gradient <g, y> is <g @ down_e, act>, so one grouped matmul gives it and d_act. Temporaries are
-    dropped as soon as they are used (peak memory: the weight grads, h, d_h and one [S, H] buffer at a time).
+    recomputed; h is overwritten (with d_h). w_rows [S]: each row's routing weight. d_down_proj = sum g^T (act * w)
+    with g the rows' grad_out; the weight's gradient <g, y> is <g @ down_e, act>, so one grouped matmul gives it
+    and d_act. Peak memory: temporaries are dropped after their last use, d_h takes h's storage, and d_x is
+    folded before the gathered x exists, so the last weight grad is computed beside d_down, h, x and d_hidden only.
     -> (d_hidden fp32 [T, H], d_weight of each row fp32 [S], d_gate_up_proj, d_down_proj)."""
     g = _with_zero_row(grad_out.to(down_proj.dtype))[rows.token]
     d_down = _grouped_wgrad(g, _scaled_act(h, w_rows, down_proj.dtype), rows.groups, down_proj)
     d_au = _grouped_mm(g, down_proj, rows.groups)
     del g
-    d_h, d_w_rows = _swiglu_rows_backward(h, d_au, w_rows)
+    d_h, d_w_rows = _swiglu_rows_backward_(h, d_au, w_rows)
     del d_au
+    d_hidden = _fold(_grouped_mm(d_h, gate_up_proj, rows.groups), rows.row, grad_out.shape[0], top_k, torch.float32)
     x = _with_zero_row(hidden)[rows.token].to(gate_up_proj.dtype)
     d_gate_up = _grouped_wgrad(d_h, x, rows.groups, gate_up_proj)
-    del x
-    d_x = _grouped_mm(d_h, gate_up_proj, rows.groups)
-    del d_h
-    return _fold(d_x, rows.row, grad_out.shape[0], top_k, torch.float32), d_w_rows, d_gate_up, d_down
+    return d_hidden, d_w_rows, d_gate_up, d_down
 
 
 def _fold(rows, row, num_tokens, top_k, dtype=None):
@@ -505,14 +507,15 @@ def _fold_weighted(y, row, topk_weights):
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu",
                      saved_up: Optional[torch.Tensor] = None):
     """Gradients of `experts` -> (d_hidden fp32 [T, H], d_topk_weights, d_gate_up_proj, d_down_proj).
-    Recomputes the up projection unless the forward's saved up rows are given; matmuls run in the weights' dtype,
-    sums accumulate in fp32. Sentinel pairs (id E) get zero gradients."""
+    Recomputes the up projection unless the forward's saved up rows are given (then they are overwritten: their
+    storage holds d_up); matmuls run in the weights' dtype, sums accumulate in fp32. Sentinel pairs (id E) get zero
+    gradients."""
     num_tokens, top_k = topk_ids.shape
     rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
     w_rows = _with_zero_row(topk_weights.reshape(-1))[rows.pair]
     if saved_up is not None:
-        d_hidden, d_w_rows, d_gate_up, d_down = _experts_backward_saved(grad_out, hidden, rows, top_k, w_rows,
-                                                                        saved_up, gate_up_proj, down_proj)
+        d_hidden, d_w_rows, d_gate_up, d_down = _experts_backward_saved_(grad_out, hidden, rows, top_k, w_rows,
+                                                                         saved_up, gate_up_proj, down_proj)
         d_weights = d_w_rows[rows.row].view(num_tokens, top_k).to(topk_weights.dtype)
         return d_hidden, d_weights, d_gate_up, d_down
     x = _with_zero_row(hidden)[rows.token].to(gate_up_proj.dtype)
@@ -742,7 +745,7 @@ def _moe_layer_fake(hidden, router_weight, router_bias, score_correction_bias, g
     )
 
 
-@torch.library.custom_op("kosmos::moe_layer_backward", mutates_args=())
+@torch.library.custom_op("kosmos::moe_layer_backward", mutates_args=("saved_up",))
 def moe_layer_backward(
     grad_out: torch.Tensor,
     grad_router_logits: Optional[torch.Tensor],
@@ -764,14 +767,14 @@ def moe_layer_backward(
     ep_world_size: int,
     ep_mode: str = "all_to_all",
     saved_up: Optional[torch.Tensor] = None,
-) -> list[torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     args = (grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
             down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
             activation, ep_group_name, ep_world_size, ep_mode, saved_up)
     _check_saved_up(saved_up, hidden, gate_up_proj, top_k, ep_group_name)
     done, fused_out = dispatch.try_fused("moe_layer_backward", hidden.device, *args)
     if done:
-        return fused_out
+        return _backward_outputs(fused_out, router_weight)
     routed = _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring, norm_topk_prob,
                             n_group, topk_group, routed_scaling_factor, router_dtype)
     _, ids, weights, _ = routed
@@ -788,7 +791,14 @@ def moe_layer_backward(
     d_hidden_router, d_router_weight, d_router_bias = route_backward(
         d_weights, grad_router_logits, routed, router_weight, router_bias, scoring, routed_scaling_factor)
     grads = [(d_hidden + d_hidden_router).to(hidden.dtype), d_router_weight, d_gate_up, d_down]
-    return grads + ([d_router_bias] if router_bias is not None else [])
+    return _backward_outputs(grads + ([d_router_bias] if router_bias is not None else []), router_weight)
+
+
+def _backward_outputs(grads, router_weight):
+    """The op's 5 outputs from [d_hidden, d_router_weight, d_gate_up_proj, d_down_proj] (+ [d_router_bias]): an
+    empty d_router_bias without a router bias. Fixed tensor outputs, not a list: torch functionalizes a custom op
+    that mutates an input (saved_up) only when each output is a plain Tensor."""
+    return (*grads[:4], grads[4] if len(grads) > 4 else router_weight.new_empty(0))
 
 
 def _check_saved_up(saved_up, hidden, gate_up_proj, top_k, ep_group_name) -> None:
@@ -805,7 +815,8 @@ def _moe_layer_backward_fake(grad_out, grad_router_logits, hidden, router_weight
                              gate_up_proj, down_proj, *rest):
     grads = [torch.empty_like(hidden), torch.empty_like(router_weight), torch.empty_like(gate_up_proj),
              torch.empty_like(down_proj)]
-    return grads + ([torch.empty_like(router_bias)] if router_bias is not None else [])
+    return _backward_outputs(grads + ([torch.empty_like(router_bias)] if router_bias is not None else []),
+                             router_weight)
 
 
 _LAYER_SCALARS = ("top_k", "scoring", "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
@@ -820,8 +831,25 @@ def _moe_layer_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(output[2], output[3])
 
 
+def _may_overwrite(saved: torch.Tensor) -> bool:
+    """Whether the backward may overwrite the saved tensor `saved`: a second backward through the same graph must
+    then raise, not compute on the overwritten data. Eagerly autograd's version counter raises; in a graph that
+    AOT autograd traces, its donated-buffer check raises on retain_graph=True, but only where donated buffers are
+    on (torch._functorch.config.donated_buffer): without them the backward gets a copy."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    if not isinstance(saved, (FakeTensor, FunctionalTensor)):
+        return True
+    import torch._functorch.config as functorch_config
+
+    return bool(getattr(functorch_config, "donated_buffer", False))
+
+
 def _moe_layer_autograd(ctx, grad_out, grad_router_logits, _grad_counts, _grad_saved_up):
     hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, saved_up = ctx.saved_tensors
+    if saved_up.shape[0] and not _may_overwrite(saved_up):
+        saved_up = saved_up.clone()
     s = ctx.scalars
     if not s["return_router_logits"]:
         grad_router_logits = None

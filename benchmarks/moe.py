@@ -118,7 +118,7 @@ def run_cell(layer: str, T: int, args) -> dict:
     kosmos.reset_report()
     fns = variants(block)
     runs = {"hf_eager": fns["hf_eager"], "inductor": fns["inductor"]}
-    runs.update({mode: fns["kosmos"] for mode in KOSMOS_MODES})
+    runs.update({mode: fns["kosmos"] for mode in KOSMOS_MODES if mode in args.modes})
     params = [x] + list(block.parameters())
     env = os.environ.get(FUSED_MOE_ENV)
     with torch.no_grad():
@@ -169,7 +169,7 @@ def table(results) -> str:
             f"f+b<={tgt[1]} {'met' if r['fwdbwd_kosmos_default'] <= tgt[1] else 'MISS'}")
         cells = []
         for kind in ("fwd", "fwdbwd"):
-            best = min(r.get(f"{kind}_{m}", float("inf")) for m in KOSMOS_MODES)
+            best = min(r.get(f"{kind}_{m}", float("inf")) for m in KOSMOS_MODES if f"{kind}_{m}" in r)
             times = " ".join(f"{r.get(f'{kind}_{c}', float('nan')):>12.2f}" for c in cols)
             cells.append(f"{times} {r[f'{kind}_inductor'] / best:>6.2f}")
         peak = f"{r.get('peak_gib_inductor', float('nan')):.2f} / {r.get('peak_gib_kosmos_default', float('nan')):.2f}"
@@ -190,6 +190,8 @@ def plot(results, path: str) -> None:
     for ax, kind in zip(axes, ("fwd", "fwdbwd")):
         base = [r[f"{kind}_inductor"] for r in results]
         for name in ("hf_eager", "kosmos_ref", "kosmos_default", "kosmos_fused", "dense"):
+            if f"{kind}_{name}" not in results[0]:
+                continue
             ax.plot(labels, [b / r[f"{kind}_{name}"] for b, r in zip(base, results)], marker="o", label=name)
         ax.axhline(1.0, color="gray", lw=0.5)
         ax.set_title(f"{kind}: speed-up over Inductor")
@@ -205,11 +207,17 @@ def main(argv=None) -> int:
     p.add_argument("--ts", default=",".join(map(str, TS)))
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
+    p.add_argument("--modes", default=",".join(KOSMOS_MODES),
+                   help="kosmos impls to time (comma-separated): " + ", ".join(KOSMOS_MODES))
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, fp32: checks the script runs (no timing)")
     p.add_argument("--ep", default="", help="EP mode: comma-separated SimWorld sizes (benchmarks/moe_ep.py)")
     args = p.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(args.modes) - set(KOSMOS_MODES))
+    if unknown:
+        p.error(f"unknown --modes {unknown}; known: {list(KOSMOS_MODES)}")
     if args.ep:
         import moe_ep
 

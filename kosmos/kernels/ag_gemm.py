@@ -43,9 +43,6 @@ from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, ERR_TIMEOUT, claim, de
 
 OP_ID = tl.constexpr(1)  # runtime.OP_IDS["ag_gemm"]
 MAX_WEIGHTS = 4
-# Experiment (benchmarks/tp_sp.py --src-branch): a TILE's K loop chosen by branch (one loop per source descriptor)
-# instead of one loop on a descriptor selected at run time; off until timed on a GPU.
-SRC_BRANCH = False
 
 # ----------------------------------------------------------------------------------------------------------
 # jit pieces
@@ -138,7 +135,7 @@ def ag_gemm_kernel(stream_ptr, n_tasks, ws_table, err_host, rank_base, world,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    EPILOGUE_SUBTILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, USE_ASM: tl.constexpr,
-                   REMAP: tl.constexpr = False, SRC_BRANCH: tl.constexpr = False):
+                   REMAP: tl.constexpr = False):
     """EPILOGUE_TMA: output tiles through the GEMM core's epilogue (TMA store); else plain masked stores.
     C_ONCE: one weight and m % BLOCK_M == 0 (no tile crosses a chunk edge), so the output descriptor is
     built once per program over the whole [W*m, N]; otherwise per tile over the tile's chunk (clipped).
@@ -225,22 +222,14 @@ def ag_gemm_kernel(stream_ptr, n_tasks, ws_table, err_host, rank_base, world,
                     grow = gathered_row(c, mb * BLOCK_M, seg, world)  # the tile's first gathered/output row
                 else:
                     grow = c * m + mb * BLOCK_M
-                if SRC_BRANCH:  # one K loop per source descriptor: no descriptor chosen at run time
-                    if c == rank:
-                        acc = gemm_tile(a_desc, b_desc, mb * BLOCK_M, nb * BLOCK_N, k_tiles,
-                                        BLOCK_M, BLOCK_N, BLOCK_K, False, B_TRANS, DOT_PRECISION)
-                    else:
-                        acc = gemm_tile(g_desc, b_desc, grow, nb * BLOCK_N, k_tiles,
-                                        BLOCK_M, BLOCK_N, BLOCK_K, False, B_TRANS, DOT_PRECISION)
+                if c == rank:
+                    src_desc = a_desc
+                    src_row = mb * BLOCK_M
                 else:
-                    if c == rank:
-                        src_desc = a_desc
-                        src_row = mb * BLOCK_M
-                    else:
-                        src_desc = g_desc
-                        src_row = grow
-                    acc = gemm_tile(src_desc, b_desc, src_row, nb * BLOCK_N, k_tiles,
-                                    BLOCK_M, BLOCK_N, BLOCK_K, False, B_TRANS, DOT_PRECISION)
+                    src_desc = g_desc
+                    src_row = grow
+                acc = gemm_tile(src_desc, b_desc, src_row, nb * BLOCK_N, k_tiles,
+                                BLOCK_M, BLOCK_N, BLOCK_K, False, B_TRANS, DOT_PRECISION)
                 has_b = pick(wi, has_b0, has_b1, has_b2, has_b3, NW)
                 if has_b != 0:
                     b_base = pick(wi, b0 + rank64 * b_rs0, b1 + rank64 * b_rs1, b2 + rank64 * b_rs2,
@@ -448,11 +437,9 @@ def launch(ws: runtime.Workspace, rank_base: int, a: _RankTensor, m: int, K: int
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if remap:
         meta["REMAP"] = True  # the dim-0 launch stays exactly as it was (REMAP left at its default)
-    if SRC_BRANCH:
-        meta["SRC_BRANCH"] = True
     grid = (P, n_local)
     runtime.check_grid_fits(ag_gemm_kernel, ("ag", dtype, outs[0].t.dtype, nw, b_trans, meta["C_ONCE"],
-                                              meta["EPILOGUE_TMA"], cfg, remap, SRC_BRANCH), grid, device, args, meta)
+                                              meta["EPILOGUE_TMA"], cfg, remap), grid, device, args, meta)
     with ws.lock:
         ag_gemm_kernel[grid](*args, **meta)
     ws.after_launch()

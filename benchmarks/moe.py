@@ -1,6 +1,6 @@
 """MoE layer benchmark: HF's block (grouped_mm experts) eager and under Inductor, the same block under
 backend="kosmos" (one kosmos::moe_layer per direction, timed three times on the same compiled graph: the op's
-reference impls, the default (fused forward, reference backward) and both fused kernels; the table says which ran),
+reference impls, the default (KOSMOS_FUSED_MOE unset) and both fused kernels; the table says which ran),
 and dense GEMMs of the same FLOPs.
 
     PYTHONPATH=. python3 benchmarks/moe.py                       # every layer x T, fwd and fwd+bwd, bf16
@@ -100,9 +100,10 @@ def variants(block):
     return {"hf_eager": block, "inductor": torch.compile(block), "kosmos": torch.compile(block, backend="kosmos")}
 
 
-# the kosmos-compiled block runs three times: kosmos::moe_layer's reference impls, the default (fused forward,
-# reference backward), then both fused kernels (the op reads KOSMOS_FUSED_MOE at each call: one compiled graph)
-KOSMOS_MODES = {"kosmos_ref": "0", "kosmos_default": "forward", "kosmos_fused": "1"}
+# the kosmos-compiled block runs three times: kosmos::moe_layer's reference impls, the default (KOSMOS_FUSED_MOE
+# unset: the fused forward except for an fp32 router on 16-bit hidden states, the reference backward), then both
+# fused kernels (the op reads KOSMOS_FUSED_MOE at each call: one compiled graph)
+KOSMOS_MODES = {"kosmos_ref": "0", "kosmos_default": None, "kosmos_fused": "1"}  # None: KOSMOS_FUSED_MOE unset
 
 
 def run_cell(layer: str, T: int, args) -> dict:
@@ -125,7 +126,10 @@ def run_cell(layer: str, T: int, args) -> dict:
         ref = block(x)
     for name, f in runs.items():
         if name in KOSMOS_MODES:
-            os.environ[FUSED_MOE_ENV] = KOSMOS_MODES[name]
+            if KOSMOS_MODES[name] is None:
+                os.environ.pop(FUSED_MOE_ENV, None)
+            else:
+                os.environ[FUSED_MOE_ENV] = KOSMOS_MODES[name]
             kosmos.reset_report()
         with torch.no_grad():
             res[f"err_{name}"] = rel_err(f(x), ref)

@@ -777,7 +777,12 @@ def moe_layer_backward(
         return _backward_outputs(fused_out, router_weight)
     routed = _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring, norm_topk_prob,
                             n_group, topk_group, routed_scaling_factor, router_dtype)
-    _, ids, weights, _ = routed
+    _, ids, weights, route_state = routed
+    # the router's cast copy of hidden ([T, H] fp32 for DeepSeek-V3's router) is made again after the experts'
+    # backward instead of being kept through it (their peak memory)
+    recast = router_dtype is not None and router_dtype != hidden.dtype
+    if recast:
+        route_state["hidden"] = None
     _check_ep_group("moe_layer_backward", ep_group_name, ep_world_size)
     if saved_up is not None and saved_up.shape[0]:
         d_hidden, d_weights, d_gate_up, d_down = experts_backward(grad_out, hidden, ids, weights, gate_up_proj,
@@ -788,6 +793,8 @@ def moe_layer_backward(
     else:
         d_hidden, d_weights, d_gate_up, d_down = _experts_backward_any(
             grad_out, hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
+    if recast:
+        route_state["hidden"] = hidden.to(router_dtype)
     d_hidden_router, d_router_weight, d_router_bias = route_backward(
         d_weights, grad_router_logits, routed, router_weight, router_bias, scoring, routed_scaling_factor)
     grads = [(d_hidden + d_hidden_router).to(hidden.dtype), d_router_weight, d_gate_up, d_down]

@@ -5,7 +5,7 @@ kosmos.ops.dispatch as row kernels; the ops keep the torch math for other device
     scaled_act(h, w, dtype)          -> act * w          [S, I] in dtype   (act = silu(gate) * up of h = [gate | up])
     swiglu_rows_backward(h, d_au, w, in_place=False) -> (d_h [S, 2I] in h's dtype, d_w [S] fp32); in_place: d_h over h
         d_au = grad_out rows @ down_proj[e] (unweighted): d_act = d_au * w, d_h = d SwiGLU, d_w = <d_au, act>
-    fold(rows, row, weights=None)    -> [T, H]: sum over slots j (in order, fp32) of rows[row[t, j]] (* weights[t, j],
+    fold(rows, row, weights=None, out=None) -> [T, H]: sum over slots j (in order, fp32) of rows[row[t, j]] (* weights[t, j],
         each product rounded to P = promote(rows, weights)); fp32 out, or P with weights
 
 act is rounded as the ops round it (silu and the product in h's dtype, then `dtype`); the backward's arithmetic
@@ -126,15 +126,20 @@ def _fold_kernel(rows, row, w, out, T, H, TOP_K: tl.constexpr, HAS_W: tl.constex
     tl.store(out + ts.to(tl.int64)[:, None] * H + hs[None, :], acc.to(P), mask=m)
 
 
-def fold(rows: torch.Tensor, row: torch.Tensor, weights=None) -> torch.Tensor:
-    """[T, H] from rows [S, H] and row [T, k] (indices into rows), optionally weighted by weights [T, k]."""
+def fold(rows: torch.Tensor, row: torch.Tensor, weights=None, out=None) -> torch.Tensor:
+    """[T, H] from rows [S, H] and row [T, k] (indices into rows), optionally weighted by weights [T, k]; written
+    into `out` if given (contiguous, not overlapping rows)."""
     T, k = row.shape
     if not (rows.is_cuda and rows.is_contiguous() and row.is_contiguous()):
         raise ValueError("kosmos moe_rows.fold: contiguous CUDA tensors expected")
     if weights is not None and (weights.shape != row.shape or not weights.is_contiguous()):
         raise ValueError(f"kosmos moe_rows.fold: weights {tuple(weights.shape)} vs row {tuple(row.shape)}")
     P = torch.float32 if weights is None else torch.promote_types(rows.dtype, weights.dtype)
-    out = torch.empty(T, rows.shape[1], dtype=P, device=rows.device)
+    if out is None:
+        out = torch.empty(T, rows.shape[1], dtype=P, device=rows.device)
+    elif out.shape != (T, rows.shape[1]) or out.dtype != P or not out.is_contiguous():
+        raise ValueError(f"kosmos moe_rows.fold: out {tuple(out.shape)} {out.dtype} is not a contiguous "
+                         f"[{T}, {rows.shape[1]}] {P}")
     if T:
         grid = (triton.cdiv(T, 32), triton.cdiv(rows.shape[1], 256))
         _fold_kernel[grid](rows, row, weights if weights is not None else rows, out, T, rows.shape[1], TOP_K=k,

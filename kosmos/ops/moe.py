@@ -103,6 +103,7 @@ tokens_per_expert counts this rank's pairs over all E experts (the same on every
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -447,32 +448,45 @@ def _experts_backward_saved_(grad_out, hidden, rows, top_k, w_rows, h, gate_up_p
     """The experts' backward with the forward's up rows h = [gate | up] saved: no up projection and no y
     recomputed; h is overwritten (with d_h). w_rows [S]: each row's routing weight. d_down_proj = sum g^T (act * w)
     with g the rows' grad_out; the weight's gradient <g, y> is <g @ down_e, act>, so one grouped matmul gives it
-    and d_act. Peak memory: temporaries are dropped after their last use, d_h takes h's storage, and d_x is
-    folded before the gathered x exists, so the last weight grad is computed beside d_down, h, x and d_hidden only.
-    -> (d_hidden fp32 [T, H], d_weight of each row fp32 [S], d_gate_up_proj, d_down_proj)."""
+    and d_act. Peak memory: temporaries are dropped after their last use, d_h takes h's storage, and d_hidden
+    (fp32) takes it once d_x is made from d_h, so the weight grads are computed beside d_h and one [S, H] buffer
+    at a time and no more. -> (d_hidden fp32 [T, H], possibly in h's storage, d_weight of each row fp32 [S],
+    d_gate_up_proj, d_down_proj)."""
     g = _with_zero_row(grad_out.to(down_proj.dtype))[rows.token]
     d_down = _grouped_wgrad(g, _scaled_act(h, w_rows, down_proj.dtype), rows.groups, down_proj)
     d_au = _grouped_mm(g, down_proj, rows.groups)
     del g
     d_h, d_w_rows = _swiglu_rows_backward_(h, d_au, w_rows)
     del d_au
-    d_hidden = _fold(_grouped_mm(d_h, gate_up_proj, rows.groups), rows.row, grad_out.shape[0], top_k, torch.float32)
     x = _with_zero_row(hidden)[rows.token].to(gate_up_proj.dtype)
     d_gate_up = _grouped_wgrad(d_h, x, rows.groups, gate_up_proj)
-    return d_hidden, d_w_rows, d_gate_up, d_down
+    del x
+    d_x = _grouped_mm(d_h, gate_up_proj, rows.groups)
+    del d_h  # dead: its storage (h's) holds d_hidden next
+    out = _storage_as(h, (grad_out.shape[0], grad_out.shape[1]), torch.float32)
+    return _fold(d_x, rows.row, grad_out.shape[0], top_k, torch.float32, out=out), d_w_rows, d_gate_up, d_down
 
 
-def _fold(rows, row, num_tokens, top_k, dtype=None):
+def _fold(rows, row, num_tokens, top_k, dtype=None, out=None):
     """[T, H]: the pair rows rows[row[t * k + j]] summed over the slots j in order (in `dtype` if given), one
-    slot at a time (no [T, k, H] temporary)."""
+    slot at a time (no [T, k, H] temporary); written into `out` (contiguous, of that dtype) if given."""
     row = row.view(num_tokens, top_k)
     kernel = dispatch.row_kernel("moe_fold", rows.device)
     if kernel is not None and dtype == torch.float32 and rows.is_contiguous():
-        return kernel(rows, row)
-    out = rows[row[:, 0]].to(dtype or rows.dtype)
+        return kernel(rows, row, out=out)
+    acc = rows[row[:, 0]].to(dtype or rows.dtype)
     for j in range(1, top_k):
-        out += rows[row[:, j]]
-    return out
+        acc += rows[row[:, j]]
+    return acc if out is None else out.copy_(acc)
+
+
+def _storage_as(t: torch.Tensor, shape, dtype) -> Optional[torch.Tensor]:
+    """A contiguous tensor of `shape` and `dtype` over the start of t's storage (t contiguous), or None if t is too
+    small: a scratch buffer in memory that t no longer needs."""
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if not t.is_contiguous() or t.numel() * t.element_size() < nbytes or t.data_ptr() % 16:
+        return None
+    return t.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
 
 
 def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu",

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from kosmos.kernels import queue, runtime
 from kosmos.kernels.gemm import GemmConfig, gemm_epilogue, gemm_tile, select_config
-from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, ERR_TIMEOUT, claim, delay_ns, finish_call, record_error,
+from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, claim, delay_ns, finish_call, record_status,
                                     signal_flag, wait_flag, wait_peers_finished)
 
 OP_ID = tl.constexpr(1)  # runtime.OP_IDS["ag_gemm"]
@@ -304,8 +304,8 @@ def ag_gemm_kernel(stream_ptr, n_tasks, ws_table, err_host, rank_base, world,
                     copy_rows(src, a_ld, dst_g, K, dst_g, K, nrows, K, False, COPY_ROWS, COPY_COLS)
                 if skip_signal == 0:
                     signal_flag(my_flags + rank * nmb + blk, epoch, "sys", USE_ASM)
-        if status == ERR_TIMEOUT:
-            record_error(ctrl, err_host, ws_row, rank_base, world, OP_ID, rank, t)
+        if status != 0:
+            record_status(status, ctrl, err_host, ws_row, rank_base, world, OP_ID, rank, t)
         if status == 0:
             t = claim(ctrl)
     finish_call(ctrl, ws_row, rank, world, epoch)

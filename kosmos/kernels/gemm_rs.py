@@ -35,8 +35,8 @@ from kosmos.kernels import queue, runtime
 from kosmos.kernels.ag_gemm import (REMAP_SMALL_BLOCK_M, _check8, _RankTensor, _rows_of, _weight_view,
                                     gathered_row, remap_config, weight_desc, ws_ptr)
 from kosmos.kernels.gemm import CONFIGS, gemm_tile, select_config
-from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, CTRL_FINISHED, ERR_TIMEOUT, claim, delay_ns, finish_call,
-                                    record_error, signal_flag, wait_flag)
+from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, CTRL_FINISHED, claim, delay_ns, finish_call,
+                                    record_status, signal_flag, wait_flag)
 
 OP_ID = tl.constexpr(2)  # runtime.OP_IDS["gemm_rs"]
 MAX_PAIRS = 4
@@ -186,8 +186,8 @@ def gemm_rs_kernel(stream_ptr, n_tasks, ws_table, err_host, rank_base, world,
                             total = total * scale
                             tl.store(my_out + rows[:, None].to(tl.int64) * out_ld + rcols[None, :],
                                      total.to(out_ptr.dtype.element_ty), mask=rmask)
-        if status == ERR_TIMEOUT:
-            record_error(ctrl, err_host, ws_row, rank_base, world, OP_ID, rank, t)
+        if status != 0:
+            record_status(status, ctrl, err_host, ws_row, rank_base, world, OP_ID, rank, t)
         if status == 0:
             t = claim(ctrl)
     finish_call(ctrl, ws_row, rank, world, epoch)

@@ -70,8 +70,8 @@ from kosmos.kernels.gemm import gemm_tile
 from kosmos.kernels.moe import (MoeConfig, _block_rows, _fold_tile, _signal, max_blocks, routing_constexprs,
                                 select_config)
 from kosmos.kernels.moe_route import pair_rows, pick, route_tile, scan_counts
-from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, ERR_TIMEOUT, claim, count_out, delay_ns, publish_finished,
-                                    record_error, signal_flag, wait_flag, wait_peers_finished)
+from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, claim, count_out, delay_ns, publish_finished,
+                                    record_status, signal_flag, wait_flag, wait_peers_finished)
 
 OP_ID = tl.constexpr(3)  # runtime.OP_IDS["moe_layer"]
 
@@ -362,8 +362,8 @@ def moe_ep_forward_kernel(ws_table, err_host, rank_base, world, lctl, lctl_rs, n
                                    o_ld, T, H, E, TOP_K, KP, BT, BH, PD_F32)
                 else:
                     t = n_tasks  # past this call's real tasks: stop claiming
-        if status == ERR_TIMEOUT:
-            record_error(ctrl, err_host, ws_row, rank_base, world, OP_ID, rank, t)
+        if status != 0:
+            record_status(status, ctrl, err_host, ws_row, rank_base, world, OP_ID, rank, t)
         if (status == 0) & (t < n_tasks):
             t = claim(ctrl)
     if count_out(ctrl):  # the rank's last program: zero the local counters, then end the call

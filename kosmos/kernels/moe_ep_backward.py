@@ -48,8 +48,8 @@ from kosmos.kernels.moe_ep import (L_DISPATCHED, L_FOLDED, L_HEAD, L_OWNER_SCANN
                                    L_UP, _dispatch_tile, _owner_scan, _publish_counts,
                                    _round512, _segment, _wait_all)
 from kosmos.kernels.moe_route import route_tile, scan_counts
-from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, ERR_TIMEOUT, claim, count_out, delay_ns, publish_finished,
-                                    record_error, signal_flag, wait_flag, wait_peers_finished)
+from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, claim, count_out, delay_ns, publish_finished,
+                                    record_status, signal_flag, wait_flag, wait_peers_finished)
 
 
 OP_ID = tl.constexpr(4)  # runtime.OP_IDS["moe_layer_backward"]
@@ -286,8 +286,8 @@ def moe_ep_backward_kernel(ws_table, err_host, rank_base, world, lctl, lctl_rs, 
                                       BLOCK_E, BHR, ROUTER_PRECISION)
                 else:
                     t = n_tasks  # past this call's real tasks: stop claiming
-        if status == ERR_TIMEOUT:
-            record_error(ctrl, err_host, ws_row, rank_base, world, OP_ID, rank, t)
+        if status != 0:
+            record_status(status, ctrl, err_host, ws_row, rank_base, world, OP_ID, rank, t)
         if (status == 0) & (t < n_tasks):
             t = claim(ctrl)
     if count_out(ctrl):  # the rank's last program: zero the local counters, then end the call

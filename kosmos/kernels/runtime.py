@@ -41,6 +41,7 @@ log = logging.getLogger("kosmos")
 CTRL_WORDS = 128  # 512 bytes
 CTRL_ERR = 8
 CTRL_FINISHED = 64
+ERR_ABORTED = 2  # error code: a peer timed out, this rank gave up
 MAX_WORLD = 64
 FLAGS_OFF_WORDS = CTRL_WORDS
 DATA_ALIGN = 512
@@ -59,6 +60,16 @@ class KernelTimeout(RuntimeError):
         self.op, self.rank, self.task = op, rank, task
         super().__init__(f"kosmos::{op}: rank {rank} waited past the spin bound ({spin_timeout_s():g} s) "
                          f"in task {task}{': ' + detail if detail else ''}; the workspace is unusable from now on")
+
+
+class KernelAborted(KernelTimeout):
+    """A peer rank's spin passed its bound and this rank's kernel gave up with it (its outputs are not valid)."""
+
+    def __init__(self, op: str, rank: int, task: int):
+        self.op, self.rank, self.task = op, rank, task
+        RuntimeError.__init__(self, f"kosmos::{op}: rank {rank} gave up in task {task} because a peer rank passed "
+                              f"the spin bound ({spin_timeout_s():g} s; that rank's process raises KernelTimeout); "
+                              "the workspace is unusable from now on")
 
 
 class KernelDoesNotFit(ValueError):
@@ -256,7 +267,7 @@ class Workspace:
                 torch.cuda.synchronize(self.device)  # the details were stored before the code, not fenced
             op = OP_NAMES.get(int(self.err_host[1]), f"op{int(self.err_host[1])}")
             rank, task = int(self.err_host[2]), int(self.err_host[3])
-            exc = KernelTimeout(op, rank, task)
+            exc = KernelAborted(op, rank, task) if code == ERR_ABORTED else KernelTimeout(op, rank, task)
             self.bad = str(exc)
             raise exc
 

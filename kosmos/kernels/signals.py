@@ -163,6 +163,23 @@ def record_error(ctrl, err_host, ws_row, rank_base, world, op_id, rank, task):
 
 
 @triton.jit
+def record_status(status, ctrl, err_host, ws_row, rank_base, world, op_id, rank, task):
+    """After a wait that failed: a timeout is recorded (record_error). An abort (a peer timed out first) goes to
+    this process's host mirror too (if no rank of the process wrote it yet), so the host raises for this rank as
+    well instead of returning what the aborted call left in its outputs."""
+    if status == ERR_TIMEOUT:
+        record_error(ctrl, err_host, ws_row, rank_base, world, op_id, rank, task)
+    elif status == ERR_ABORTED:
+        lock = tl.load(ws_row + rank_base).to(tl.pointer_type(tl.int32)) + CTRL_ERR + 4
+        if tl.atomic_cas(lock, 0, 1, sem="acq_rel", scope="gpu") == 0:
+            tl.store(err_host + 1, op_id)
+            tl.store(err_host + 2, rank)
+            tl.store(err_host + 3, task)
+            tl.debug_barrier()
+            tl.store(err_host, ERR_ABORTED)
+
+
+@triton.jit
 def claim(ctrl):
     """Next task index of this call (one relaxed atomic; the value is the same in every thread)."""
     return tl.atomic_add(ctrl + CTRL_COUNTER, 1, sem="relaxed", scope="gpu")

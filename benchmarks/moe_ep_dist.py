@@ -232,7 +232,7 @@ def estimate_gib(c: Cell) -> float:
     """A rough upper bound of one rank's memory in the cell: weights and their gradients, the fused backward's
     workspace (grown by up to 1.5x) and temporaries, or the unfused path's saved activations, whichever is larger."""
     rows, H, I = c.world * c.T * c.k, c.H, c.I
-    weights = 2 * (2 * c.E_loc * 3 * H * I * 2)
+    weights = 2 * (c.E_loc * 3 * H * I * 2)  # bf16 experts and their gradients
     fused = 1.5 * (rows * H * 4 + c.T * c.k * H * 2) + rows * (2 * I + I + H) * 2
     unfused = c.T * c.k * (6 * H * 2 + H * 4 + 3 * I * 2) * 1.5
     return (weights + max(fused, unfused)) / 2**30

@@ -26,7 +26,7 @@ t0=$SECONDS
 if [ -z "$SKIP_TESTS" ]; then
     # timeout signals the whole process group: the spawned rank processes end with pytest
     # -s: the ranks print one line per finished case, so a run cut short still shows what each rank saw
-    timeout -k 15 "${TEST_TIMEOUT:-390}" python3 -m pytest -s -v -rfEs -p no:cacheprovider -o faulthandler_timeout=300 \
+    timeout -k 15 "${TEST_TIMEOUT:-390}" python3 -m pytest -s -v -rA -p no:cacheprovider -o faulthandler_timeout=300 \
         --durations=10 --junitxml="$OUT/junit_ep.xml" tests/test_multi_gpu_ep.py > "$OUT/tests_ep.log" 2>&1
     rc_test=$?
 fi
@@ -46,10 +46,14 @@ left=$(nvidia-smi --query-compute-apps=pid,process_name --format=csv,noheader 2>
 [ -n "$left" ] && echo "GPU processes still running after the steps: $left"
 if [ -z "$SKIP_TESTS" ]; then
     echo "== tests/test_multi_gpu_ep.py: rc $rc_test, $((t1 - t0)) s"
-    grep -E "^(FAILED|ERROR)" "$OUT/tests_ep.log" | cut -c1-400 | head -30
-    grep -E '^\[rank [0-9]+\] .*"error"' "$OUT/tests_ep.log" | cut -c1-400 | head -8
-    grep -E "(PASSED|FAILED|ERROR|SKIPPED)( |$)" "$OUT/tests_ep.log" | grep "::" | sed 's/^tests\/test_multi_gpu_ep.py:://' \
-        | cut -c1-120 | head -40
+    # pytest's short summary (-rA): one line per test, failures with their message
+    sed -n '/short test summary info/,$p' "$OUT/tests_ep.log" | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" \
+        | sed 's/tests\/test_multi_gpu_ep.py:://' | cut -c1-400 | head -40
+    grep -oE '\[rank [0-9]+\] .*"error".*' "$OUT/tests_ep.log" | cut -c1-900 | head -6
+    grep -q "short test summary info" "$OUT/tests_ep.log" || {
+        echo "(pytest was cut short; the ranks' last progress lines:)"
+        grep -oE '\[rank [0-9]+\] .*' "$OUT/tests_ep.log" | cut -c1-300 | tail -12
+    }
     tail -1 "$OUT/tests_ep.log"
 fi
 if [ -z "$SKIP_BENCH" ]; then

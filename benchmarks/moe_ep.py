@@ -1,4 +1,7 @@
 """MoE benchmark, EP mode (`benchmarks/moe.py --ep`): the expert-parallel fused forward in SimWorld on one GPU.
+On several GPUs (torchrun, one process per GPU) `--dist` runs benchmarks/moe_ep_dist.py instead:
+
+    torchrun --nproc-per-node 2 benchmarks/moe_ep.py --dist --layers qwen3_30b_a3b --tokens 4096,16384
 
 W simulated ranks share one GPU, so this measures correctness and the COST of the dispatch / combine tasks, not a
 multi-GPU speedup: the same total work (W ranks x T/W tokens, E experts spread E/W per rank) runs once as the EP
@@ -111,3 +114,13 @@ def main(worlds, ts, only: str, warmup: int, rep: int, json_path: str) -> int:
         with open(json_path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--dist" not in sys.argv[1:]:
+        sys.exit("the SimWorld mode runs through benchmarks/moe.py --ep; pass --dist (under torchrun) for several GPUs")
+    import moe_ep_dist
+
+    sys.exit(moe_ep_dist.main(sys.argv[1:]))

@@ -6,7 +6,10 @@
   rank's experts, experts without tokens, ranks with different token counts);
 * tiny HF models over gloo: eager and `torch.compile(backend="kosmos")` EP models against the unsharded eager
   model (loss and every gradient, fp32 rel err <= 1e-5), the MoE pass's EP moe_layer, AdamW steps, and the
-  sharded state_dict round trip / full_state_dict.
+  sharded state_dict round trip / full_state_dict;
+* the fused EP path's gate over gloo (kosmos.kernels.moe_ops, device and group checks switched off): every rank of
+  the group reaches the same verdict (token counts that differ, a rank without tokens or with weights the kernel
+  refuses), and fake tensors (compile time) are judged without a collective.
 """
 from __future__ import annotations
 
@@ -392,3 +395,57 @@ def test_ep_model_matches_unsharded(world, name):
             ep_call = [c for c in r["codes"] if "kosmos.moe_layer" in c and f"'{group}', {ep_world})" in c]
             assert ep_call, f"{name}: the rewritten graph has no moe_layer call with the EP group:\n{r['codes']}"
             assert not any("moe_experts" in c for c in r["codes"]), f"{name}: a moe_experts call was left"
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused EP path's gate (kosmos.kernels.moe_ops): one verdict for the whole group, decided collectively
+
+
+def _gate_suite(rank: int, world: int) -> dict:
+    """why_not_moe_layer with EP over gloo, the device and group checks switched off (so CPU tensors on a gloo group
+    reach the group decision; the fused kernels themselves need CUDA and an NCCL group, tests/test_multi_gpu_ep.py)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import kosmos.kernels.fused_ops as fused_ops
+    from kosmos.kernels import moe_ops
+
+    moe_ops._device_reason = lambda hidden: None
+    fused_ops._group_reason = lambda group_name, world_size: None
+    group = dist.group.WORLD.group_name
+    E_loc, k = 4, 2
+
+    def verdict(T: int, ep_mode: str = "all_to_all", misaligned: bool = False):
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(T, H, generator=g)
+        gu = torch.randn(E_loc, 2 * I, H, generator=g)
+        down = torch.randn(E_loc, H, I, generator=g)
+        if misaligned:  # the kernel's TMA descriptors refuse this rank's weights
+            gu = torch.randn(gu.numel() + 1, generator=g)[1:].view(gu.shape)
+        return moe_ops.why_not_moe_layer(hidden, torch.randn(E_loc * world, H, generator=g), None, None, gu, down, k,
+                                         "softmax", True, ep_group_name=group, ep_world_size=world, ep_mode=ep_mode)
+
+    out = {"same_T": verdict(8), "T_differs": verdict(8 + rank), "rank0_no_tokens": verdict(0 if rank == 0 else 8),
+           "last_rank_misaligned": verdict(8, misaligned=rank == world - 1), "all_reduce": verdict(8, "all_reduce")}
+    calls = []
+    agree = moe_ops._agree
+    moe_ops._agree = lambda *a: calls.append(a) or agree(*a)
+    with FakeTensorMode():  # the MoE pass's planned impl: judged on this rank's arguments, no collective
+        out["fake_T_differs"] = verdict(8 + rank)
+    out["fake_collectives"] = len(calls)
+    out["after_fake"] = verdict(8)  # the group is still in step
+    out["group"] = group
+    return out
+
+
+@pytest.mark.multiproc
+def test_fused_ep_gate_decides_for_the_whole_group():
+    world = 2
+    for rank, v in enumerate(run_ranks(_gate_suite, world)):
+        assert v["same_T"] is None and v["after_fake"] is None, v
+        assert "different token counts (T from 8 to 9, here" in v["T_differs"], v
+        assert v["rank0_no_tokens"] == ("no tokens (T == 0)" if rank == 0 else f"another rank of EP group "
+                                        f"{v['group']!r} refused the fused kernel (its report says why)"), v
+        want = "not 16-byte aligned" if rank == world - 1 else "another rank of EP group"
+        assert want in v["last_rank_misaligned"], v
+        assert "implement the all_to_all layout" in v["all_reduce"], v
+        assert v["fake_T_differs"] is None and v["fake_collectives"] == 0, v

@@ -13,6 +13,8 @@ Gathers / scatters along dim 1 (local batch B >= 2, the kernels' row remap): W=1
 and, in a second subprocess, W = 2..4 ranks each launched from its own Python thread (one program per
 rank) with the interpreter's grid index made thread-local: the ranks' programs then run concurrently, so
 cross-rank waits end and the remapped pulls / pushes are checked against torch.cat / chunk references.
+The same threads run the expert-parallel MoE kernels, also through the real-group launchers
+(kosmos.kernels.moe_ep_group: each thread drives one rank view, as a group's process does).
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ import pytest
 CASES = ["ag_two_weights_bias", "ag_store_epilogue", "ag_row_major_rerun", "rs_sum_avg_pairs", "rs_one_pair_nobias",
          "missing_signal_raises", "epochs_advance", "ag_gather_dim1", "rs_scatter_dim1"]
 # multi-rank cases, one thread per rank (see _threaded_interpreter)
-THREAD_CASES = ["threads_ag_dim0", "threads_ag_dim1", "threads_rs_dim0", "threads_rs_dim1", "threads_moe_ep"]
+THREAD_CASES = ["threads_ag_dim0", "threads_ag_dim1", "threads_rs_dim0", "threads_rs_dim1", "threads_moe_ep",
+                "threads_moe_ep_group"]
 
 
 def _rel(out, ref):
@@ -496,6 +499,39 @@ def case_threads_moe_ep(torch, SimWorld):
         res[f"W{W}{'_hot_rank' if hot else ''}"] = max(errs)
     return res
 
+
+
+def case_threads_moe_ep_group(torch, SimWorld):
+    """The real-group launchers (kosmos.kernels.moe_ep_group: one rank per process, its tensors without the rank
+    dim) on W=2 threads, each driving one rank view as a group's process does: bit-identical to the stacked
+    launchers' results of the same rank, in the op's shapes."""
+    from kosmos.kernels.moe_ep import moe_ep_forward
+    from kosmos.kernels.moe_ep_backward import moe_ep_backward
+    from kosmos.kernels.moe_ep_group import moe_ep_backward_group, moe_ep_forward_group
+
+    W, T, E, k = 2, 19, 8, 2
+    h, rw, gu, d, go = _moe_ep_inputs(torch, W, T, 32, 16, E, seed=50)
+    E_loc = E // W
+    got, want = [None] * W, [None] * W
+
+    def fn(view, r):
+        gus, ds = gu[r * E_loc:(r + 1) * E_loc], d[r * E_loc:(r + 1) * E_loc]
+        fwd = moe_ep_forward_group(h[r], rw, None, None, gus, ds, k, return_router_logits=True, ws=view, rank=r,
+                                   programs=1)
+        bwd = moe_ep_backward_group(go[r], None, h[r], rw, None, None, gus, ds, k, ws=view, rank=r, programs=1)
+        got[r] = list(fwd) + bwd
+        fwd = moe_ep_forward(view, r, h[r:r + 1], rw, None, None, gus[None], ds[None], k, return_router_logits=True,
+                             programs=1)
+        bwd = moe_ep_backward(view, r, go[r:r + 1], None, h[r:r + 1], rw, None, None, gus[None], ds[None], k,
+                              programs=1)
+        want[r] = [t[0] for t in list(fwd) + bwd]
+
+    _run_ranks(SimWorld(W, device="cpu"), fn)
+    shapes = [(T, 32), (T, E), (E,), (T, 32), (E, 32), (E_loc, 32, 32), (E_loc, 32, 16)]
+    for r in range(W):
+        assert [tuple(t.shape) for t in got[r]] == shapes, [tuple(t.shape) for t in got[r]]
+        assert all(torch.equal(a, b) for a, b in zip(got[r], want[r])), f"rank {r}"
+    return {"ranks": W}
 
 def _main() -> None:
     import faulthandler

@@ -4,6 +4,9 @@ never wait for another rank there; W in {2, 4, 8} runs on the GPU, tests/test_mo
 tests/test_moe_ep_backward_gpu.py). Still, W=1 runs every task of the protocol: counts published to itself, rows
 dispatched into its receive region, the owner scan, expert tiles, results pushed back, the fold.
 
+The ops layer's real-group entry (kosmos.kernels.moe_ops.run_moe_layer / run_moe_layer_backward through
+kosmos.kernels.moe_ep_group) runs here too, on a one-rank workspace, against the op's fake impls' shapes.
+
 Against the reference `route` + `experts` of kosmos.ops.moe; fp16 / fp32 only (the interpreter's tl.dot on bf16
 multiplies raw bits). All cases run in ONE subprocess (TRITON_INTERPRET must be set before triton is imported).
 """
@@ -14,7 +17,8 @@ import pytest
 
 CASES = ["softmax_top2_fp16", "deepseek_router_fp32", "all_on_one_expert_top1", "counters_zeroed_epochs_advance",
          "missing_signal_raises", "backward_equals_non_ep_kernel_fp16", "backward_deepseek_fp32_glog",
-         "backward_missing_signal_raises", "bad_arguments_raise", "growth_after_capture_keeps_old_tensors"]
+         "backward_missing_signal_raises", "bad_arguments_raise", "growth_after_capture_keeps_old_tensors",
+         "ops_layer_group_launch_matches_fake_impl"]
 
 
 def _inputs(torch, T, H, I, E, dtype, seed):
@@ -203,6 +207,38 @@ def case_growth_after_capture_keeps_old_tensors(torch, SimWorld):
     assert any(t is old_buffers for t in kept) and any(t is old_counters for t in kept), kept
     return {"retired": len(ws._retired)}
 
+
+
+def case_ops_layer_group_launch_matches_fake_impl(torch, SimWorld):
+    """What kosmos::moe_layer's fused impls return with an EP group (kosmos.kernels.moe_ops.run_moe_layer /
+    run_moe_layer_backward through kosmos.kernels.moe_ep_group; the group's workspace replaced by a one-rank
+    SimWorld's): the op's fake impls' shapes and dtypes (saved_up empty), the same values as SimWorld's launch."""
+    import kosmos.kernels.moe_ep_group as group_launch
+    from kosmos.kernels import moe_ops
+    from kosmos.ops import moe as ops
+
+    sw = SimWorld(1, device="cpu")
+    h, rw, gu, d = _inputs(torch, 19, 32, 32, 8, torch.float16, 9)
+    go = torch.randn_like(h)
+    args = (h[0], rw, None, None, gu[0], d[0], 2, "softmax", True, 1, 1, 1.0, None, "silu", True, "g", 1, "all_to_all")
+    bargs = (go[0], None, h[0], rw, None, None, gu[0], d[0], 2, "softmax", True, 1, 1, 1.0, None, "silu", "g", 1,
+             "all_to_all")
+    workspace = group_launch._workspace
+    group_launch._workspace = lambda group_name, device, ws, rank: (sw.workspace, 0)
+    try:
+        got = moe_ops.run_moe_layer(*args)
+        got_b = moe_ops.run_moe_layer_backward(*bargs, got[3])
+    finally:
+        group_launch._workspace = workspace
+    fake = ops._moe_layer_fake(*args)
+    fake_b = ops._moe_layer_backward_fake(*bargs, got[3])
+    for a, b in zip(list(got) + got_b, list(fake) + fake_b):
+        assert (tuple(a.shape), a.dtype) == (tuple(b.shape), b.dtype), (tuple(a.shape), a.dtype, tuple(b.shape))
+    assert len(got) == len(fake) and len(got_b) == len(fake_b) and got[3].shape == (0, 64)
+    want = sw.moe_layer(h, rw, None, None, gu, d, 2, return_router_logits=True, programs=1)
+    want_b = sw.moe_layer_backward(go, None, h, rw, None, None, gu, d, 2, programs=1)
+    assert all(torch.equal(a, b[0]) for a, b in zip(list(got[:3]) + got_b, list(want) + want_b))
+    return {"outputs": len(got) + len(got_b)}
 
 def _main():
     import torch

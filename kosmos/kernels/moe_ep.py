@@ -53,7 +53,8 @@ Workspace data per rank: counts slots [W, E] int32 | receive rows [W * T*k, H] i
 rounded up to 512), `ep_workspace_bytes`. The receive region is sized for the worst case (all routed rows of the
 group on one rank), as no token is dropped.
 
-Module layout: kernel, then host side (`moe_ep_forward`, driven by SimWorld.moe_layer). No process-group logic.
+Module layout: kernel, then host side (`moe_ep_forward`, driven by SimWorld.moe_layer and, one rank per process on a
+real group, by kosmos.kernels.moe_ep_group). No process-group logic.
 """
 from __future__ import annotations
 

@@ -26,6 +26,9 @@ Task stream of every rank (nb = the owner's real number of row blocks, read afte
 Outputs per rank: d_hidden of its tokens, d_router_weight / d_router_bias of its tokens (summing them over the group
 is the caller's job, as in the reference), d_gate_up_proj / d_down_proj of its local experts (rows of all sources).
 
+Host side: `moe_ep_backward`, driven by SimWorld.moe_layer_backward and, one rank per process on a real group, by
+kosmos.kernels.moe_ep_group. No process-group logic.
+
 Workspace data per rank (`ep_backward_layout`): counts slots [W, E] int32 | receive rows [W*T*k, H] (gate_up dtype) |
 receive grads [W*T*k, H] (grad_out dtype) | receive weights [W*T*k] fp32 | combine d_x [T*k, H] (gate_up dtype) |
 combine d_w partials [T*k, n_hblk] fp32, each rounded up to 512 bytes.

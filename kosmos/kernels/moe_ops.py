@@ -1,5 +1,6 @@
-"""Plugs the fused MoE kernels into `kosmos::moe_layer` (forward: kosmos.kernels.moe) and
-`kosmos::moe_layer_backward` (backward: kosmos.kernels.moe_backward) through kosmos.ops.dispatch.
+"""Plugs the fused MoE kernels into `kosmos::moe_layer` (forward: kosmos.kernels.moe, with expert parallelism
+kosmos.kernels.moe_ep) and `kosmos::moe_layer_backward` (backward: kosmos.kernels.moe_backward / moe_ep_backward)
+through kosmos.ops.dispatch.
 
 Env KOSMOS_FUSED_MOE (read at each call) picks the directions that run fused: unset (the default: the forward,
 except for an fp32 router on 16-bit hidden states), "forward", "1" both, "0" neither. Both kernels pass their GPU
@@ -8,11 +9,19 @@ about 8x slower than the op's reference impl (grouped matmuls on the saved up pr
 forward is faster than the reference on Qwen3-30B-A3B (2.89 vs 3.36 ms) and Qwen3-235B (9.99 vs 10.13), slower
 on DeepSeek-V3 (30.75 vs 28.26; fwd+bwd 96.5 vs 86.0), whose fp32 router the kernel computes exactly on CUDA
 cores: so by default an fp32 router on 16-bit hidden states takes the reference (FP32_ROUTER_REASON).
+The same env and defaults hold with expert parallelism: the EP backward kernel runs the non-EP backward's tiles on
+the received rows (SimWorld, W=2: 51 ms against 49 ms for the non-EP fused backward of the same tokens, itself ~8x
+the reference), and the EP reference backward (recomputed up projection, all_to_all_single) is a working route, so
+the EP backward stays opt-in until benchmarks/moe_ep.py --dist measures otherwise on several GPUs.
 `why_not_*` also refuses, with the reason:
 - non-CUDA tensors, GPUs before sm_90 (TMA descriptors);
-- expert parallelism (ep_group_name set) on a real process group: the EP kernels (kosmos.kernels.moe_ep,
-  moe_ep_backward) pass their tests in SimWorld only and are not wired to real groups until they have run on
-  several GPUs;
+- expert parallelism (ep_group_name set): ep_mode "all_reduce" (the kernels implement the all_to_all layout), a
+  group that is not NCCL or not of ep_world_size ranks, CUDA graph capture (the check below reads the host), more
+  than 256 experts in all; and, decided by the whole group at each call (`_agree`: one all_reduce of three ints
+  and a host read), any rank whose arguments the kernel refuses or ranks holding different token counts T (the
+  receive regions are sized by one T). Every rank of the group therefore takes the same impl: the two impls'
+  collectives never meet. On fake tensors (the MoE pass's planned impl) only this rank's arguments are judged.
+  The group's rank runs the EP kernel on runtime.group_workspace (kosmos.kernels.moe_ep_group);
 - n_group not a power of two (group-limited routing), activations other than silu;
 - dtypes other than bfloat16 / float16 / float32; gate_up_proj and down_proj of different dtypes; a product
   dtype promote(down_proj, logits) that is neither float32 nor down_proj's dtype;
@@ -21,7 +30,8 @@ cores: so by default an fp32 router on 16-bit hidden states takes the reference 
   (16-byte aligned bases, H and I rows of a multiple of 16 bytes).
 The backward (`why_not_moe_layer_backward`) refuses the same, plus grad_out / grad_router_logits of other
 shapes or dtypes (kosmos.kernels.moe_backward.backward_reason, mirrored here without importing Triton).
-This module imports no Triton (the kernel is imported at the first fused call).
+Every rank of an EP group must see the same KOSMOS_FUSED_MOE. This module imports no Triton (the kernel is
+imported at the first fused call).
 """
 from __future__ import annotations
 
@@ -118,15 +128,69 @@ def kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gat
     return None
 
 
-def _device_reason(hidden, ep_group_name, ep_mode) -> Optional[str]:
+def _device_reason(hidden) -> Optional[str]:
     if hidden.device.type != "cuda":
         return f"{hidden.device.type} tensors"
     if torch.cuda.get_device_capability(hidden.device)[0] < 9:
         return "TMA descriptors need compute capability >= 9.0"
-    if ep_group_name is not None:
-        return (f"expert parallelism (ep_group_name={ep_group_name!r}, ep_mode={ep_mode!r}): the EP kernels run in "
-                "SimWorld only until they have run on several GPUs")
     return None
+
+
+def _ep_group_reason(group_name: str, world: int, ep_mode: str, num_local: int,
+                     device: torch.device) -> Optional[str]:
+    """Why no rank of the EP group can run fused: what every rank of the group judges alike (op arguments of the
+    group's common call, the group itself)."""
+    if ep_mode != "all_to_all":
+        return (f"ep_mode={ep_mode!r} (replicated tokens, outputs summed over the group): the fused EP kernels "
+                "implement the all_to_all layout")
+    if num_local * world > MAX_EXPERTS:
+        return f"{num_local * world} experts > {MAX_EXPERTS} (the router tile holds every expert's logit in registers)"
+    from kosmos.kernels.fused_ops import _group_reason  # (fused_ops imports this module)
+
+    reason = _group_reason(group_name, world)
+    if reason is not None:
+        return reason
+    from kosmos.kernels.runtime import capturing
+
+    if capturing(device):
+        return ("CUDA graph capture: the fused EP path checks every rank's token count with a host read at each "
+                "call")
+    return None
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def _agree(group_name: str, hidden: torch.Tensor, local: Optional[str]) -> Optional[str]:
+    """The group's verdict, the same on every rank: this rank's reason if it has one, else a reason when another
+    rank refused or the ranks' token counts differ, else None. Collective (every rank of the group must call it):
+    one all_reduce (max) of [refused, T, -T] and a host read."""
+    T = hidden.shape[0]
+    mine = torch.tensor([int(local is not None), T, -T], dtype=torch.int64, device=hidden.device)
+    fc = torch.ops._c10d_functional
+    refused, t_max, neg_t_min = fc.wait_tensor(fc.all_reduce(mine, "max", group_name)).tolist()
+    if local is not None:
+        return local
+    if refused:
+        return f"another rank of EP group {group_name!r} refused the fused kernel (its report says why)"
+    if t_max != -neg_t_min:
+        return (f"the ranks of EP group {group_name!r} hold different token counts (T from {-neg_t_min} to {t_max}, "
+                f"here {T}): the fused EP kernel sizes its receive regions by one T")
+    return None
+
+
+def _ep_reason(hidden, gate_up_proj, group_name, world, ep_mode, local_reason) -> Optional[str]:
+    """Why an EP call takes the reference impl, decided alike on every rank of the group (module docstring);
+    local_reason() -> this rank's own reason (arguments the kernel refuses)."""
+    reason = _ep_group_reason(group_name, world, ep_mode, gate_up_proj.shape[0], hidden.device)
+    if reason is not None:
+        return reason
+    if _is_fake(hidden):  # judged at compile time (the pass's planned impl): no collective there
+        return local_reason()
+    return _agree(group_name, hidden, local_reason())
 
 
 def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
@@ -135,17 +199,31 @@ def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias,
                       ep_mode="all_to_all") -> Optional[str]:
     if not enabled("forward"):
         return f"fused MoE forward switched off ({ENV}={os.environ.get(ENV)})"
-    reason = _device_reason(hidden, ep_group_name, ep_mode) or _default_forward_reason(hidden, router_dtype)
+    reason = _device_reason(hidden) or _default_forward_reason(hidden, router_dtype)
     if reason is not None:
         return reason
-    return kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
-                         scoring, n_group, topk_group, router_dtype, activation)
+
+    def local():
+        return kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
+                             scoring, n_group, topk_group, router_dtype, activation)
+
+    if ep_group_name is None:
+        return local()
+    return _ep_reason(hidden, gate_up_proj, ep_group_name, ep_world_size, ep_mode, local)
 
 
 def run_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
                   norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
                   activation="silu", return_router_logits=False, ep_group_name=None, ep_world_size=1,
                   ep_mode="all_to_all"):
+    if ep_group_name is not None:  # saved_up is empty under EP: the backward recomputes the up projection
+        from kosmos.kernels.moe_ep_group import moe_ep_forward_group
+
+        out, logits, counts = moe_ep_forward_group(hidden, router_weight, router_bias, score_correction_bias,
+                                                   gate_up_proj, down_proj, top_k, scoring, norm_topk_prob, n_group,
+                                                   topk_group, routed_scaling_factor, router_dtype, activation,
+                                                   return_router_logits, ep_group_name)
+        return out, logits, counts, gate_up_proj.new_empty(0, gate_up_proj.shape[1])
     from kosmos.kernels.moe import moe_forward
 
     return moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
@@ -176,12 +254,18 @@ def why_not_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weig
     if not enabled("backward"):
         return (f"fused MoE backward is opt-in ({ENV}=1): slower than this reference impl on an H200 "
                 "(benchmarks/RESULTS.md)")
-    reason = _device_reason(hidden, ep_group_name, ep_mode)
+    reason = _device_reason(hidden)
     if reason is not None:
         return reason
-    return (kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
-                          scoring, n_group, topk_group, router_dtype, activation)
-            or _backward_reason(grad_out, grad_router_logits, hidden, gate_up_proj.shape[0]))
+
+    def local():
+        return (kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj,
+                              top_k, scoring, n_group, topk_group, router_dtype, activation)
+                or _backward_reason(grad_out, grad_router_logits, hidden, gate_up_proj.shape[0] * ep_world_size))
+
+    if ep_group_name is None:
+        return local()
+    return _ep_reason(hidden, gate_up_proj, ep_group_name, ep_world_size, ep_mode, local)
 
 
 def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias,
@@ -189,6 +273,13 @@ def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, 
                            routed_scaling_factor=1.0, router_dtype=None, activation="silu", ep_group_name=None,
                            ep_world_size=1, ep_mode="all_to_all", saved_up=None):
     """saved_up is not read: the fused backward recomputes the up projection in its own tiles."""
+    if ep_group_name is not None:
+        from kosmos.kernels.moe_ep_group import moe_ep_backward_group
+
+        return moe_ep_backward_group(grad_out, grad_router_logits, hidden, router_weight, router_bias,
+                                     score_correction_bias, gate_up_proj, down_proj, top_k, scoring, norm_topk_prob,
+                                     n_group, topk_group, routed_scaling_factor, router_dtype, activation,
+                                     ep_group_name)
     from kosmos.kernels.moe_backward import moe_backward
 
     return moe_backward(grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias,

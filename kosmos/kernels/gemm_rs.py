@@ -35,8 +35,8 @@ from kosmos.kernels import queue, runtime
 from kosmos.kernels.ag_gemm import (REMAP_SMALL_BLOCK_M, _check8, _RankTensor, _rows_of, _weight_view,
                                     gathered_row, remap_config, weight_desc, ws_ptr)
 from kosmos.kernels.gemm import CONFIGS, gemm_tile, select_config
-from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, CTRL_FINISHED, ERR_TIMEOUT, claim, delay_ns, finish_call,
-                                    record_error, signal_flag, wait_flag)
+from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, CTRL_FINISHED, ERR_ABORTED, ERR_TIMEOUT, claim, delay_ns,
+                                    finish_call, note_abort, record_error, signal_flag, wait_flag)
 
 OP_ID = tl.constexpr(2)  # runtime.OP_IDS["gemm_rs"]
 MAX_PAIRS = 4
@@ -188,6 +188,9 @@ def gemm_rs_kernel(stream_ptr, n_tasks, ws_table, err_host, rank_base, world,
                                      total.to(out_ptr.dtype.element_ty), mask=rmask)
         if status == ERR_TIMEOUT:
             record_error(ctrl, err_host, ws_row, rank_base, world, OP_ID, rank, t)
+        elif status == ERR_ABORTED:
+            if tl.num_programs(1) < world:  # a peer in another process may have timed out
+                note_abort(ctrl, err_host, OP_ID, rank, t)
         if status == 0:
             t = claim(ctrl)
     finish_call(ctrl, ws_row, rank, world, epoch)
@@ -338,9 +341,10 @@ def _gemm_rs_sim_rows(world_obj, inputs, weights, bias, reduce_op, out_dtype, pr
 
 def gemm_rs_group(inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], bias: Optional[torch.Tensor],
                   reduce_op: str, world: int, group_name: str, out_dtype, *, ws=None, rank=None,
-                  scatter_dim: int = 0):
+                  scatter_dim: int = 0, programs=None, straggler=None, drop_signal=None):
     """Real process group entry (one rank per process); checked by fused_ops. scatter_dim > 0: the output's
-    rows are B batch entries of S/W rows (queue.split_rows), remapped in the kernel."""
+    rows are B batch entries of S/W rows (queue.split_rows), remapped in the kernel.
+    programs / straggler / drop_signal: test hooks, passed to `launch` as they are (the op passes none)."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -358,6 +362,6 @@ def gemm_rs_group(inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor
     launch(ws, rank, [_RankTensor(x, 0, x.stride(0)) for x in xs], [x.shape[1] for x in xs],
            [_RankTensor(w, 0, _weight_view(w)[1]) for w in weights], _weight_view(weights[0])[0],
            _RankTensor(bias, 0, 1) if bias is not None else None, _RankTensor(out, 0, N), M, N, reduce_op,
-           seg=S // world if B > 1 else None)
+           seg=S // world if B > 1 else None, programs=programs, straggler=straggler, drop_signal=drop_signal)
     lead[scatter_dim] //= world
     return out.view(*lead, N)

@@ -19,8 +19,9 @@ sizes (the explain report shows them).
 
 Errors: a spin past its bound (`set_spin_timeout`, env KOSMOS_SPIN_TIMEOUT_S, default 300 s) writes an error
 word; the host reads its host-mapped mirror (no sync) at the next call on the workspace, or right after the
-launch when env KOSMOS_DEBUG_SYNC=1, and raises KernelTimeout naming op, rank and task. A workspace that
-saw an error refuses further calls (WorkspaceBroken).
+launch when env KOSMOS_DEBUG_SYNC=1, and raises KernelTimeout naming op, rank and task. On a real group the rank
+that timed out aborts its peers; a peer whose spin then stops writes its own mirror, and its host raises PeerAborted
+(a KernelTimeout). A workspace that saw an error refuses further calls (WorkspaceBroken).
 
 `SimWorld(W)` runs W simulated ranks on one GPU with the same kernels: grid = (programs, W),
 rank = program_id(1), its workspace table lists the W simulated ranks' buffers.
@@ -40,6 +41,7 @@ log = logging.getLogger("kosmos")
 # mirrored from kosmos.kernels.signals (int32 word offsets)
 CTRL_WORDS = 128  # 512 bytes
 CTRL_ERR = 8
+ERR_ABORTED = 2  # error code a peer's abort leaves (signals.ERR_ABORTED)
 CTRL_FINISHED = 64
 MAX_WORLD = 64
 FLAGS_OFF_WORDS = CTRL_WORDS
@@ -59,6 +61,17 @@ class KernelTimeout(RuntimeError):
         self.op, self.rank, self.task = op, rank, task
         super().__init__(f"kosmos::{op}: rank {rank} waited past the spin bound ({spin_timeout_s():g} s) "
                          f"in task {task}{': ' + detail if detail else ''}; the workspace is unusable from now on")
+
+
+class PeerAborted(KernelTimeout):
+    """A fused kernel of this rank stopped because a peer rank timed out first (on a real group, in another
+    process: that process raises the KernelTimeout naming the missing signal)."""
+
+    def __init__(self, op: str, rank: int, task: int):
+        self.op, self.rank, self.task = op, rank, task
+        RuntimeError.__init__(self, f"kosmos::{op}: rank {rank} stopped in task {task}: a peer rank timed out on "
+                              "this group (its own KernelTimeout names the missing signal); the workspace is "
+                              "unusable from now on")
 
 
 class KernelDoesNotFit(ValueError):
@@ -256,7 +269,7 @@ class Workspace:
                 torch.cuda.synchronize(self.device)  # the details were stored before the code, not fenced
             op = OP_NAMES.get(int(self.err_host[1]), f"op{int(self.err_host[1])}")
             rank, task = int(self.err_host[2]), int(self.err_host[3])
-            exc = KernelTimeout(op, rank, task)
+            exc = (PeerAborted if code == ERR_ABORTED else KernelTimeout)(op, rank, task)
             self.bad = str(exc)
             raise exc
 

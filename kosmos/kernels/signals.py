@@ -163,6 +163,23 @@ def record_error(ctrl, err_host, ws_row, rank_base, world, op_id, rank, task):
 
 
 @triton.jit
+def note_abort(ctrl, err_host, op_id, rank, task):
+    """A spin of this rank ended because its error word was set. If a peer set it (ERR_ABORTED), copy that into
+    the host mirror unless it already holds an error, so that the host raises here as well. On a real group the
+    peer that timed out runs in another process and filled its own mirror, not this one. Without this, the host
+    would take the aborted call's output as valid. A word set by this rank's own timeout is left to
+    record_error. Call it only where the process drives fewer ranks than the world (SimWorld's ranks share one
+    mirror, which the timed-out rank fills)."""
+    if load_uniform(ctrl + CTRL_ERR) == ERR_ABORTED:
+        if load_uniform(err_host) == 0:
+            tl.store(err_host + 1, op_id)
+            tl.store(err_host + 2, rank)
+            tl.store(err_host + 3, task)
+            tl.debug_barrier()
+            tl.store(err_host, ERR_ABORTED)
+
+
+@triton.jit
 def claim(ctrl):
     """Next task index of this call (one relaxed atomic; the value is the same in every thread)."""
     return tl.atomic_add(ctrl + CTRL_COUNTER, 1, sem="relaxed", scope="gpu")

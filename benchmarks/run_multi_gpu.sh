@@ -38,15 +38,16 @@ leftovers() {  # processes still on the GPUs after a step (a killed step's ranks
 
 rc_tests=skip rc_bench=skip rc_demo=skip
 
-# 1. tests/test_multi_gpu.py: each test spawns its ranks (tests/_dist.run_ranks, 150 s bound per call)
+# 1. tests/test_multi_gpu.py: each test spawns its ranks (tests/_dist.run_ranks, 150 s bound per call); -s -v so
+#    the log has each result, the ranks' output and any stack dump as they come, even if the timeout cuts it short
 if [ -z "$SKIP_TESTS" ]; then
     t=$SECONDS
-    timeout -k 20 "${TEST_TIMEOUT:-240}" python3 -m pytest -m multi_gpu tests/test_multi_gpu.py -q -rfEP \
+    timeout -k 20 "${TEST_TIMEOUT:-240}" python3 -m pytest -m multi_gpu tests/test_multi_gpu.py -v -s -rfE \
         -p no:cacheprovider --durations=12 --junitxml="$OUT/junit_multi_gpu.xml" ${PYTEST_K:+-k "$PYTEST_K"} \
         > "$OUT/tests.log" 2>&1
     rc_tests=$?
     note "== tests: rc $rc_tests, $((SECONDS - t)) s: $(tail -1 "$OUT/tests.log")"
-    grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-300 | head -20 | tee -a "$SUMMARY"
+    grep -E "^(FAILED|ERROR)|(PASSED|FAILED|ERROR)$" "$OUT/tests.log" | cut -c1-300 | head -40 | tee -a "$SUMMARY"
     leftovers tests
 fi
 

@@ -96,8 +96,8 @@ EOF
 fi
 if [ "$rc_bench" != skip ]; then
     sed -n '/^TP+SP: bf16/,$p' "$OUT/bench.log" | tee -a "$SUMMARY"
-    grep -q '^TP+SP: bf16' "$OUT/bench.log" || { grep -m1 -A14 '^Traceback' "$OUT/bench.log"; tail -4 "$OUT/bench.log"; } \
-        | cut -c1-300 | tee -a "$SUMMARY"
+    grep -q '^TP+SP: bf16' "$OUT/bench.log" ||
+        { grep -m1 -A14 '^Traceback' "$OUT/bench.log"; tail -4 "$OUT/bench.log"; } | cut -c1-300 | tee -a "$SUMMARY"
 fi
 [ "$rc_demo" != skip ] && { grep -E '^(OK|FAILED):' "$OUT/demo.log" || tail -8 "$OUT/demo.log"; } | tee -a "$SUMMARY"
 note "rc: tests=$rc_tests bench=$rc_bench demo=$rc_demo"

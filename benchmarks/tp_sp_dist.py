@@ -64,7 +64,8 @@ def time_dist(fn, reps: int, warmup: int, inner: int) -> float:
 def _impls(op: str) -> list[str]:
     import kosmos
 
-    return sorted({impl if impl == "fused" else f"{impl}: {why}" for (o, impl, why) in kosmos.report().runtime if o == op})
+    runs = kosmos.report().runtime
+    return sorted({impl if impl == "fused" else f"{impl}: {why}" for (o, impl, why) in runs if o == op})
 
 
 def _cases(op: str, M: int, K: int, N: int, W: int, group_name: str, g):

@@ -440,7 +440,8 @@ def fault_suite(rank: int, W: int, bound_s: float) -> dict:
     AG on the default group (rank 1 skips the signal of its first PUBLISH), then GEMM+RS on a second group (rank 0
     skips that of its first TILE, pushed to owner 1). Per op, the outcome of three calls: the faulted one, the
     same op again and then the other op on the same group (both through torch.ops.kosmos), each with its time and,
-    for a KernelTimeout, the task it names (as a queue task tuple of that rank's stream)."""
+    for a KernelTimeout (own timeout) or a subclass of it ("aborted": a peer timed out first), the task it names
+    (as a queue task tuple of that rank's stream)."""
     from kosmos.kernels import queue, runtime
     from kosmos.kernels.ag_gemm import ag_config, ag_gemm_group
     from kosmos.kernels.gemm_rs import gemm_rs_group, rs_config
@@ -472,9 +473,11 @@ def fault_suite(rank: int, W: int, bound_s: float) -> dict:
             kind, info = "ok", {}
         except runtime.WorkspaceBroken:
             kind, info = "WorkspaceBroken", {}
-        except runtime.KernelTimeout as e:  # PeerAborted is one too
-            kind = type(e).__name__
-            info = dict(op=e.op, rank=e.rank, task=list(stream[e.task]) if 0 <= e.task < len(stream) else None)
+        except runtime.KernelTimeout as e:
+            # the class itself: this rank's own spin timed out; a subclass: it gave up after a peer's timeout
+            kind = "KernelTimeout" if type(e) is runtime.KernelTimeout else "aborted"
+            info = dict(op=e.op, rank=e.rank, task=list(stream[e.task]) if 0 <= e.task < len(stream) else None,
+                        error=type(e).__name__)
         except Exception as e:  # noqa: BLE001
             kind, info = "other", dict(error=_error(e))
         return dict(outcome=kind, seconds=time.perf_counter() - t0, **info)

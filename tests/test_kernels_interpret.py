@@ -144,8 +144,9 @@ def case_missing_signal_raises(torch, SimWorld):
 def case_peer_abort_noted(torch, SimWorld):
     """Rank 1 of 2 as a real group's process sees it (one local rank, its own host mirror): a peer's abort in its
     control block stops its spin at the pull of rank 0's block (AG) / the fold of rank 0's partial (RS), and the
-    host raises PeerAborted, then WorkspaceBroken. With its own timeout's code in the word (record_error fills
-    the mirror then) the aborted spin leaves the mirror alone."""
+    host raises an abort (a KernelTimeout subclass), then WorkspaceBroken. With its own timeout's code in the word
+    and the mirror lock taken (what record_error leaves; it fills the mirror) the aborted spin leaves the mirror
+    alone."""
     from kosmos.kernels import ag_gemm as agm
     from kosmos.kernels import gemm_rs as rsm
     from kosmos.kernels import queue, runtime, signals
@@ -168,9 +169,11 @@ def case_peer_abort_noted(torch, SimWorld):
         rsm.launch(ws, 1, [RT(a, a.stride(0), a.stride(1))], [K], [RT(w, w.stride(0), agm._weight_view(w[0])[1])],
                    True, None, RT(out, out.stride(0), out.stride(1)), m, N, "sum", programs=1)
 
-    def rank1_view(code):
+    def rank1_view(code, lock=0):
         ws = runtime.Workspace(2, [1], torch.device("cpu"))
-        ws.buffers[1][:runtime.CTRL_WORDS * 4].view(torch.int32)[runtime.CTRL_ERR] = code
+        ctrl = ws.buffers[1][:runtime.CTRL_WORDS * 4].view(torch.int32)
+        ctrl[runtime.CTRL_ERR] = code
+        ctrl[runtime.CTRL_ERR + 4] = lock  # the host mirror's lock (signals.record_error)
         return ws
 
     nmb = -(-m // 128)
@@ -185,18 +188,19 @@ def case_peer_abort_noted(torch, SimWorld):
             run(ws)
             try:
                 ws.check()
-            except runtime.PeerAborted as e:
+            except runtime.KernelTimeout as e:
+                assert type(e) is not runtime.KernelTimeout, f"{op}: an abort reported as this rank's own timeout"
                 assert (e.op, e.rank, e.task) == (op, 1, want[op]), (op, e.op, e.rank, e.task, want[op])
-                seen[op] = str(e)
+                seen[op] = f"{type(e).__name__}: {e}"
             else:
-                raise AssertionError(f"{op}: no PeerAborted after a peer's abort")
+                raise AssertionError(f"{op}: no error raised after a peer's abort")
             try:
                 run(ws)
             except runtime.WorkspaceBroken:
                 pass
             else:
                 raise AssertionError(f"{op}: an aborted workspace took another call")
-            ws = rank1_view(signals.ERR_TIMEOUT.value)
+            ws = rank1_view(signals.ERR_TIMEOUT.value, lock=1)
             run(ws)
             assert int(ws.err_host[0]) == 0, (op, ws.err_host.tolist(), "own timeout: the mirror is record_error's")
     finally:

@@ -7,12 +7,11 @@ Two modes:
       reduces), at W=1 and on SimWorld W=8 (8 simulated ranks sharing the GPU), against the persistent GEMM
       core (kosmos.kernels.gemm) doing the same total work. Target: <= 3% at W=1.
 
-  torchrun --nproc-per-node N benchmarks/tp_sp.py --mode dist [--out results.json]
-      N GPUs of one host. Per shape: NCCL + cuBLAS in sequence, PyTorch async-TP
-      (torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter after
-      enable_symm_mem_for_group), and kosmos::ag_gemm / kosmos::gemm_rs (fused). Times are the max over ranks
-      of each rank's median. NVLink multicast stays off (set NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-      NVSHMEM_DISABLE_NVLS=1; this script sets them if unset).
+  torchrun --nproc-per-node N benchmarks/tp_sp.py --mode dist [--shapes small|full] [--out r.json] [--plot r.png]
+      N GPUs of one host (benchmarks/tp_sp_dist.py): per shape, NCCL + cuBLAS in sequence, the GEMM and the
+      collective alone (bound = the larger), PyTorch async-TP and kosmos::ag_gemm / kosmos::gemm_rs; kosmos'
+      speed-ups and its time over the bound. NVLink multicast stays off (set NCCL_NVLS_ENABLE=0
+      TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1; this script sets them if unset).
 
 Shapes are (M, K, N) of the whole GEMM: M gathered rows (AG) / rows before the scatter (RS).
 Prints a table last; --out writes every number as JSON.
@@ -22,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -30,7 +28,8 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kosmos
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tp_sp_dist
 
 AG_SHAPES = [(8192, 4096, 4096), (16384, 4096, 6144), (8192, 4096, 14336)]
 RS_SHAPES = [(8192, 4096, 4096), (16384, 4096, 4096), (8192, 14336, 4096)]
@@ -134,121 +133,35 @@ def print_queue_table(rows):
               f"{r['fused_tflops']:5.0f} {r['err_vs_core']:7.1e}")
 
 
-# ------------------------------------------------------------------------------------------------ dist mode
-
-
-def _time_dist(fn, iters=30, warmup=5) -> float:
-    import torch.distributed as dist
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    med = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return float(med.item())
-
-
-def dist_mode(args) -> list[dict]:
-    import torch.distributed as dist
-
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    W, rank = dist.get_world_size(), dist.get_rank()
-    group_name = dist.group.WORLD.group_name
-    import kosmos  # noqa: F401
-    import kosmos.kernels.fused_ops  # noqa: F401
-
-    try:
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-        enable_symm_mem_for_group(group_name)
-        have_async_tp = hasattr(torch.ops.symm_mem, "fused_all_gather_matmul")
-    except Exception as e:  # noqa: BLE001
-        have_async_tp = False
-        if rank == 0:
-            print(f"async-TP unavailable: {e}")
-    g = torch.Generator(device="cuda").manual_seed(rank)
-    rows = []
-    for (M, K, N) in AG_SHAPES:
-        a = torch.randn(M // W, K, device="cuda", generator=g).to(torch.bfloat16)
-        w = torch.randn(N, K, device="cuda", generator=g).to(torch.bfloat16)
-        gathered = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
-
-        def nccl():
-            dist.all_gather_into_tensor(gathered, a)
-            return torch.mm(gathered, w.t())
-
-        res = dict(op="ag_gemm", M=M, K=K, N=N, W=W, nccl_cublas_ms=_time_dist(nccl))
-        if have_async_tp:
-            res["async_tp_ms"] = _time_dist(
-                lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [w.t()], gather_dim=0, group_name=group_name))
-        res["kosmos_ms"] = _time_dist(
-            lambda: torch.ops.kosmos.ag_gemm(a, [w.t()], [None], 0, W, group_name, False, None))
-        ref = nccl()
-        res["kosmos_err"] = rel_err(torch.ops.kosmos.ag_gemm(a, [w.t()], [None], 0, W, group_name, False, None)[0], ref)
-        rows.append(res)
-    for (M, K, N) in RS_SHAPES:
-        x = torch.randn(M, K // W, device="cuda", generator=g).to(torch.bfloat16)
-        w = torch.randn(N, K // W, device="cuda", generator=g).to(torch.bfloat16)
-        out = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
-
-        def nccl_rs():
-            dist.reduce_scatter_tensor(out, torch.mm(x, w.t()))
-            return out
-
-        res = dict(op="gemm_rs", M=M, K=K, N=N, W=W, nccl_cublas_ms=_time_dist(nccl_rs))
-        if have_async_tp:
-            res["async_tp_ms"] = _time_dist(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
-                x, w.t(), "sum", scatter_dim=0, group_name=group_name))
-        res["kosmos_ms"] = _time_dist(
-            lambda: torch.ops.kosmos.gemm_rs([x], [w.t()], None, 0, "sum", W, group_name, None))
-        ref = nccl_rs().clone()
-        res["kosmos_err"] = rel_err(torch.ops.kosmos.gemm_rs([x], [w.t()], None, 0, "sum", W, group_name, None), ref)
-        rows.append(res)
-    import kosmos as _k
-
-    if rank == 0:
-        print(str(_k.report()))
-    dist.destroy_process_group()
-    return rows if rank == 0 else []
-
-
-def print_dist_table(rows):
-    print("\nTP+SP collectives + GEMM, max over ranks of the median, ms (bf16)")
-    print(f"{'op':8} {'M':>6} {'K':>6} {'N':>6} {'W':>2} {'nccl+cublas':>11} {'async-TP':>9} {'kosmos':>8} "
-          f"{'vs nccl':>8} {'err':>8}")
-    for r in rows:
-        atp = r.get("async_tp_ms")
-        print(f"{r['op']:8} {r['M']:6d} {r['K']:6d} {r['N']:6d} {r['W']:2d} {r['nccl_cublas_ms']:11.3f} "
-              f"{(f'{atp:9.3f}' if atp is not None else '        -')} {r['kosmos_ms']:8.3f} "
-              f"{r['nccl_cublas_ms'] / r['kosmos_ms']:7.2f}x {r['kosmos_err']:8.1e}")
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["queue", "dist"], default="queue")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="JSON with every number")
+    dist_args = p.add_argument_group("dist mode (benchmarks/tp_sp_dist.py)")
+    dist_args.add_argument("--shapes", choices=["small", "full"], default="small",
+                           help="shape grid: small (2 AG + 2 RS shapes) or full (6 + 6)")
+    dist_args.add_argument("--plot", default=None, help="PNG of the speed-ups per shape (needs matplotlib)")
+    dist_args.add_argument("--reps", type=int, default=10, help="timed reps per method (median)")
+    dist_args.add_argument("--warmup", type=int, default=3, help="untimed calls before the reps")
+    dist_args.add_argument("--inner", type=int, default=5, help="calls back to back per rep")
+    dist_args.add_argument("--time-limit", type=float, default=0, help="s; a rank still running then dumps its "
+                           "stacks and exits (0: none)")
+    dist_args.add_argument("--spin-timeout", type=float, default=30.0, help="s; bound of the fused kernels' spins")
     args = p.parse_args()
     if args.mode == "queue":
         rows = queue_mode(args)
         print_queue_table(rows)
-    else:
-        rows = dist_mode(args)
-        if rows:
-            print_dist_table(rows)
-    if args.out and rows:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+        if args.out and rows:
+            with open(args.out, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+        return
+    import tp_sp_dist
+
+    rows = tp_sp_dist.run(args)
+    if rows:  # rank 0
+        if args.plot:
+            print(tp_sp_dist.plot(rows, args.plot))
+        print("\n" + tp_sp_dist.table(rows))
 
 
 if __name__ == "__main__":

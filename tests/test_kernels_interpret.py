@@ -26,7 +26,7 @@ import sys
 import pytest
 
 CASES = ["ag_two_weights_bias", "ag_store_epilogue", "ag_row_major_rerun", "rs_sum_avg_pairs", "rs_one_pair_nobias",
-         "missing_signal_raises", "epochs_advance", "ag_gather_dim1", "rs_scatter_dim1"]
+         "missing_signal_raises", "peer_abort_noted", "epochs_advance", "ag_gather_dim1", "rs_scatter_dim1"]
 # multi-rank cases, one thread per rank (see _threaded_interpreter)
 THREAD_CASES = ["threads_ag_dim0", "threads_ag_dim1", "threads_rs_dim0", "threads_rs_dim1", "threads_moe_ep",
                 "threads_moe_ep_group"]
@@ -142,6 +142,73 @@ def case_missing_signal_raises(torch, SimWorld):
     finally:
         runtime.set_spin_timeout(None)
     return {"msg": msg}
+
+
+def case_peer_abort_noted(torch, SimWorld):
+    """Rank 1 of 2 as a real group's process sees it (one local rank, its own host mirror): a peer's abort in its
+    control block stops its spin at the pull of rank 0's block (AG) / the fold of rank 0's partial (RS), and the
+    host raises an abort (a KernelTimeout subclass), then WorkspaceBroken. With its own timeout's code in the word
+    and the mirror lock taken (what record_error leaves; it fills the mirror) the aborted spin leaves the mirror
+    alone."""
+    from kosmos.kernels import ag_gemm as agm
+    from kosmos.kernels import gemm_rs as rsm
+    from kosmos.kernels import queue, runtime, signals
+
+    g = torch.Generator().manual_seed(10)
+    m, K, N = 130, 32, 40
+    a = torch.randn(2, m, K, generator=g).half()
+    w = torch.randn(2, N, K, generator=g).half().transpose(1, 2)
+    RT = agm._RankTensor
+
+    def run_ag(ws):
+        gat = torch.empty(2, 2 * m, K).half()
+        out = torch.empty(2, 2 * m, N).half()
+        agm.launch(ws, 1, RT(a, a.stride(0), a.stride(1)), m, K, RT(gat, gat.stride(0), K),
+                   [RT(w, w.stride(0), agm._weight_view(w[0])[1])], True, [N], [None],
+                   [RT(out, out.stride(0), out.stride(1))], programs=1)
+
+    def run_rs(ws):
+        out = torch.empty(2, m // 2, N).half()
+        rsm.launch(ws, 1, [RT(a, a.stride(0), a.stride(1))], [K], [RT(w, w.stride(0), agm._weight_view(w[0])[1])],
+                   True, None, RT(out, out.stride(0), out.stride(1)), m, N, "sum", programs=1)
+
+    def rank1_view(code, lock=0):
+        ws = runtime.Workspace(2, [1], torch.device("cpu"))
+        ctrl = ws.buffers[1][:runtime.CTRL_WORDS * 4].view(torch.int32)
+        ctrl[runtime.CTRL_ERR] = code
+        ctrl[runtime.CTRL_ERR + 4] = lock  # the host mirror's lock (signals.record_error)
+        return ws
+
+    nmb = -(-m // 128)
+    ag_stream = queue.ag_gemm_stream(1, 2, nmb, [1], 1)
+    rs_stream = queue.gemm_rs_stream(1, 2, -(-(m // 2) // 128), 1)
+    want = {"ag_gemm": ag_stream.index((queue.PULL, 0, 0, 0)), "gemm_rs": rs_stream.index((queue.REDUCE, 1, 0, 0))}
+    runtime.set_spin_timeout(0.0002)  # not reached: the abort ends the spin at once
+    seen = {}
+    try:
+        for op, run in (("ag_gemm", run_ag), ("gemm_rs", run_rs)):
+            ws = rank1_view(signals.ERR_ABORTED.value)
+            run(ws)
+            try:
+                ws.check()
+            except runtime.KernelTimeout as e:
+                assert type(e) is not runtime.KernelTimeout, f"{op}: an abort reported as this rank's own timeout"
+                assert (e.op, e.rank, e.task) == (op, 1, want[op]), (op, e.op, e.rank, e.task, want[op])
+                seen[op] = f"{type(e).__name__}: {e}"
+            else:
+                raise AssertionError(f"{op}: no error raised after a peer's abort")
+            try:
+                run(ws)
+            except runtime.WorkspaceBroken:
+                pass
+            else:
+                raise AssertionError(f"{op}: an aborted workspace took another call")
+            ws = rank1_view(signals.ERR_TIMEOUT.value, lock=1)
+            run(ws)
+            assert int(ws.err_host[0]) == 0, (op, ws.err_host.tolist(), "own timeout: the mirror is record_error's")
+    finally:
+        runtime.set_spin_timeout(None)
+    return seen
 
 
 def case_epochs_advance(torch, SimWorld):

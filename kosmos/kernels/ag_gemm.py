@@ -533,9 +533,10 @@ def _ag_gemm_sim_rows(world_obj, a, weights, biases, return_gathered, out_dtype,
 
 def ag_gemm_group(a: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]],
                   world: int, group_name: str, return_gathered: bool, out_dtype, *, ws=None, rank=None,
-                  gather_dim: int = 0):
+                  gather_dim: int = 0, programs=None, straggler=None, drop_signal=None):
     """Real process group entry (one rank per process); shapes/strides checked by fused_ops. gather_dim > 0:
-    the shard's rows are B batch entries of s rows (queue.split_rows), remapped in the kernel."""
+    the shard's rows are B batch entries of s rows (queue.split_rows), remapped in the kernel.
+    programs / straggler / drop_signal: test hooks, passed to `launch` as they are (the op passes none)."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -555,7 +556,8 @@ def ag_gemm_group(a: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequ
     launch(ws, rank, _RankTensor(a2, 0, a2.stride(0)), m, K, _RankTensor(g, 0, K),
            [_RankTensor(w, 0, _weight_view(w)[1]) for w in weights], b_trans, [w.shape[1] for w in weights],
            [(_RankTensor(b, 0, 1) if b is not None else None) for b in biases],
-           [_RankTensor(o, 0, o.stride(0)) for o in outs], seg=s_rows if B > 1 else None)
+           [_RankTensor(o, 0, o.stride(0)) for o in outs], seg=s_rows if B > 1 else None, programs=programs,
+           straggler=straggler, drop_signal=drop_signal)
     glead = list(lead)
     glead[gather_dim] *= world
     res = [o.view(*glead, o.shape[-1]) for o in outs]

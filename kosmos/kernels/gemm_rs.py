@@ -338,9 +338,10 @@ def _gemm_rs_sim_rows(world_obj, inputs, weights, bias, reduce_op, out_dtype, pr
 
 def gemm_rs_group(inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], bias: Optional[torch.Tensor],
                   reduce_op: str, world: int, group_name: str, out_dtype, *, ws=None, rank=None,
-                  scatter_dim: int = 0):
+                  scatter_dim: int = 0, programs=None, straggler=None, drop_signal=None):
     """Real process group entry (one rank per process); checked by fused_ops. scatter_dim > 0: the output's
-    rows are B batch entries of S/W rows (queue.split_rows), remapped in the kernel."""
+    rows are B batch entries of S/W rows (queue.split_rows), remapped in the kernel.
+    programs / straggler / drop_signal: test hooks, passed to `launch` as they are (the op passes none)."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
@@ -358,6 +359,6 @@ def gemm_rs_group(inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor
     launch(ws, rank, [_RankTensor(x, 0, x.stride(0)) for x in xs], [x.shape[1] for x in xs],
            [_RankTensor(w, 0, _weight_view(w)[1]) for w in weights], _weight_view(weights[0])[0],
            _RankTensor(bias, 0, 1) if bias is not None else None, _RankTensor(out, 0, N), M, N, reduce_op,
-           seg=S // world if B > 1 else None)
+           seg=S // world if B > 1 else None, programs=programs, straggler=straggler, drop_signal=drop_signal)
     lead[scatter_dim] //= world
     return out.view(*lead, N)

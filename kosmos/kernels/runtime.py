@@ -19,8 +19,9 @@ sizes (the explain report shows them).
 
 Errors: a spin past its bound (`set_spin_timeout`, env KOSMOS_SPIN_TIMEOUT_S, default 300 s) writes an error
 word; the host reads its host-mapped mirror (no sync) at the next call on the workspace, or right after the
-launch when env KOSMOS_DEBUG_SYNC=1, and raises KernelTimeout naming op, rank and task. A workspace that
-saw an error refuses further calls (WorkspaceBroken).
+launch when env KOSMOS_DEBUG_SYNC=1, and raises KernelTimeout naming op, rank and task. On a real group the rank
+that timed out aborts its peers; a peer whose spin then stops writes its own mirror, and its host raises KernelAborted
+(a KernelTimeout). A workspace that saw an error refuses further calls (WorkspaceBroken).
 
 `SimWorld(W)` runs W simulated ranks on one GPU with the same kernels: grid = (programs, W),
 rank = program_id(1), its workspace table lists the W simulated ranks' buffers.

@@ -169,7 +169,8 @@ def record_status(status, ctrl, err_host, ws_row, rank_base, world, op_id, rank,
     well instead of returning what the aborted call left in its outputs."""
     if status == ERR_TIMEOUT:
         record_error(ctrl, err_host, ws_row, rank_base, world, op_id, rank, task)
-    elif status == ERR_ABORTED:
+    elif tl.atomic_add(ctrl + CTRL_ERR, 0, sem="acquire", scope="sys") == ERR_ABORTED:  # set by a peer, not by
+        # another program of this rank (its record_error fills the mirror)
         lock = tl.load(ws_row + rank_base).to(tl.pointer_type(tl.int32)) + CTRL_ERR + 4
         if tl.atomic_cas(lock, 0, 1, sem="acq_rel", scope="gpu") == 0:
             tl.store(err_host + 1, op_id)

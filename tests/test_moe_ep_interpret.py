@@ -227,11 +227,11 @@ def case_ops_layer_group_launch_matches_fake_impl(torch, SimWorld):
     group_launch._workspace = lambda group_name, device, ws, rank: (sw.workspace, 0)
     try:
         got = moe_ops.run_moe_layer(*args)
-        got_b = moe_ops.run_moe_layer_backward(*bargs, got[3])
+        got_b = list(ops._backward_outputs(moe_ops.run_moe_layer_backward(*bargs, got[3]), rw))  # as the op returns
     finally:
         group_launch._workspace = workspace
     fake = ops._moe_layer_fake(*args)
-    fake_b = ops._moe_layer_backward_fake(*bargs, got[3])
+    fake_b = list(ops._moe_layer_backward_fake(*bargs, got[3]))
     for a, b in zip(list(got) + got_b, list(fake) + fake_b):
         assert (tuple(a.shape), a.dtype) == (tuple(b.shape), b.dtype), (tuple(a.shape), a.dtype, tuple(b.shape))
     assert len(got) == len(fake) and len(got_b) == len(fake_b) and got[3].shape == (0, 64)

@@ -9,10 +9,9 @@ about 8x slower than the op's reference impl (grouped matmuls on the saved up pr
 forward is faster than the reference on Qwen3-30B-A3B (2.89 vs 3.36 ms) and Qwen3-235B (9.99 vs 10.13), slower
 on DeepSeek-V3 (30.75 vs 28.26; fwd+bwd 96.5 vs 86.0), whose fp32 router the kernel computes exactly on CUDA
 cores: so by default an fp32 router on 16-bit hidden states takes the reference (FP32_ROUTER_REASON).
-The same env and defaults hold with expert parallelism: the EP backward kernel runs the non-EP backward's tiles on
-the received rows (SimWorld, W=2: 51 ms against 49 ms for the non-EP fused backward of the same tokens, itself ~8x
-the reference), and the EP reference backward (recomputed up projection, all_to_all_single) is a working route, so
-the EP backward stays opt-in until benchmarks/moe_ep.py --dist measures otherwise on several GPUs.
+The same env and defaults hold with expert parallelism. On 2 H200s (benchmarks/RESULTS.md, sixth session) the fused
+EP forward is 1.28-1.57x faster than the unfused all_to_all path, and the fused EP backward 2-3x slower than the EP
+reference backward (recomputed up projection, all_to_all_single), so the EP backward stays opt-in too.
 `why_not_*` also refuses, with the reason:
 - non-CUDA tensors, GPUs before sm_90 (TMA descriptors);
 - expert parallelism (ep_group_name set): ep_mode "all_reduce" (the kernels implement the all_to_all layout), a

@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import os
 import threading
+import warnings
 from typing import Optional
 
 import torch
@@ -243,8 +244,10 @@ class Workspace:
     def _symmetric(self, nbytes: int):
         import torch.distributed._symmetric_memory as symm_mem
 
-        try:  # torch < 2.13 wants the opt-in per group; later versions deprecate/remove it
-            symm_mem.enable_symm_mem_for_group(self.group_name)
+        try:  # older torch wants the opt-in per group; 2.11+ deprecates it (a FutureWarning per call) or removes it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(self.group_name)
         except Exception:  # noqa: BLE001
             pass
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)

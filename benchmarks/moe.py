@@ -19,12 +19,12 @@ are printed next to the cells they apply to.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import os
 
 import torch
 
-from kosmos.kernels.moe_ops import ENV as FUSED_MOE_ENV
+from kosmos.kernels.moe_ops import fused_env
 
 LAYERS = {
     "qwen3_30b_a3b": dict(family="qwen3_moe", H=2048, I=768, E=128, k=8),
@@ -121,33 +121,25 @@ def run_cell(layer: str, T: int, args) -> dict:
     runs = {"hf_eager": fns["hf_eager"], "inductor": fns["inductor"]}
     runs.update({mode: fns["kosmos"] for mode in KOSMOS_MODES if mode in args.modes})
     params = [x] + list(block.parameters())
-    env = os.environ.get(FUSED_MOE_ENV)
     with torch.no_grad():
         ref = block(x)
     for name, f in runs.items():
-        if name in KOSMOS_MODES:
-            if KOSMOS_MODES[name] is None:
-                os.environ.pop(FUSED_MOE_ENV, None)
-            else:
-                os.environ[FUSED_MOE_ENV] = KOSMOS_MODES[name]
+        # the env of a kosmos mode (the op reads it at each call); the others run under the caller's env
+        with fused_env(KOSMOS_MODES[name]) if name in KOSMOS_MODES else contextlib.nullcontext():
             kosmos.reset_report()
-        with torch.no_grad():
-            res[f"err_{name}"] = rel_err(f(x), ref)
-            res[f"fwd_{name}"] = timed(lambda: f(x), args)
+            with torch.no_grad():
+                res[f"err_{name}"] = rel_err(f(x), ref)
+                res[f"fwd_{name}"] = timed(lambda: f(x), args)
 
-        def step(f=f):
-            out = f(x)
-            torch.autograd.grad(out, params, g, allow_unused=True)
+            def step(f=f):
+                out = f(x)
+                torch.autograd.grad(out, params, g, allow_unused=True)
 
-        res[f"fwdbwd_{name}"] = timed(step, args)
-        res[f"peak_gib_{name}"] = peak_gib(step, args)
-        if name in KOSMOS_MODES:
-            res[f"impl_{name}"] = sorted({f"{op}: {impl} ({why})" for op, impl, why in kosmos.report().runtime
-                                          if op.startswith("moe_layer")}) or ["not rewritten"]
-    if env is None:
-        os.environ.pop(FUSED_MOE_ENV, None)
-    else:
-        os.environ[FUSED_MOE_ENV] = env
+            res[f"fwdbwd_{name}"] = timed(step, args)
+            res[f"peak_gib_{name}"] = peak_gib(step, args)
+            if name in KOSMOS_MODES:
+                res[f"impl_{name}"] = sorted({f"{op}: {impl} ({why})" for op, impl, why in kosmos.report().runtime
+                                              if op.startswith("moe_layer")}) or ["not rewritten"]
 
     rows = T * d["k"]
     a = torch.randn(rows, d["H"], device=device, dtype=dtype)

@@ -44,22 +44,10 @@ import torch.nn.functional as F
 
 from moe_ep import LAYERS
 
-ENV = "KOSMOS_FUSED_MOE"
+from kosmos.kernels.moe_ops import fused_env
+
 VARIANTS = ("fused", "fused_bwd", "kernel", "reference", "unfused", "dense")
 TINY = dict(H=64, I=32, E=8, k=2)
-
-
-@contextlib.contextmanager
-def fused_env(value):
-    old = os.environ.get(ENV)
-    os.environ[ENV] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = old
 
 
 def rel(a, b) -> float:

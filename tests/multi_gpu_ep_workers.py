@@ -18,31 +18,14 @@ import copy
 import importlib
 import json
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
-ENV = "KOSMOS_FUSED_MOE"
+from kosmos.kernels.moe_ops import fused_env
+
 SLEEP_CYCLES = 60_000_000  # torch.cuda._sleep: ~30 ms at the H200's ~2 GHz
-
-
-@contextlib.contextmanager
-def fused_env(value):
-    """KOSMOS_FUSED_MOE = value inside the block (None: unset)."""
-    old = os.environ.get(ENV)
-    if value is None:
-        os.environ.pop(ENV, None)
-    else:
-        os.environ[ENV] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = old
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

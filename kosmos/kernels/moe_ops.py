@@ -34,6 +34,7 @@ imported at the first fused call).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -50,6 +51,23 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MODES = {"forward": ("forward",), "1": ("forward", "backward"), "0": ()}
 FP32_ROUTER_REASON = (f"fp32 router on 16-bit hidden states: the fused forward is slower than this reference impl "
                       f"there on an H200 (DeepSeek-V3 layer, benchmarks/RESULTS.md); {ENV}=forward forces it")
+
+
+@contextlib.contextmanager
+def fused_env(value: Optional[str]):
+    """KOSMOS_FUSED_MOE = value inside the block (None: unset, the defaults); restored after it."""
+    old = os.environ.get(ENV)
+    if value is None:
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
 
 
 def enabled(direction: str) -> bool:

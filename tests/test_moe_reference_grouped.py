@@ -454,6 +454,12 @@ def test_gpu_fold_kernel_matches_torch(monkeypatch, w_dtype):
         return moe._fold_weighted(rows, row, weights)
 
     fused = both()
+    if weights is None:  # into a given buffer (the backward folds d_hidden into saved_up's storage): the same bits
+        from kosmos.kernels import moe_rows
+
+        scratch = torch.full((T * H * 2,), float("nan"), device="cuda", dtype=torch.bfloat16)
+        into = moe._storage_as(scratch, (T, H), torch.float32)
+        assert moe_rows.fold(rows, row.view(T, k), out=into) is into and torch.equal(into, fused)
     monkeypatch.setattr(dispatch, "row_kernel", lambda name, device: None)
     ref = both()
     assert fused.dtype == ref.dtype and fused.shape == ref.shape == (T, H)

@@ -51,8 +51,10 @@ Backward ops (one launch per direction; registered as the ops' autograd, so afte
 graph holds one call per MoE layer):
     moe_layer_backward(grad_out, grad_router_logits?, <moe_layer's inputs but return_router_logits>, saved_up?)
         -> (d_hidden, d_router_weight, d_gate_up_proj, d_down_proj, d_router_bias ([0] without router_bias))
-        saved_up is overwritten (its storage holds the SwiGLU backward's d_up): a second backward through the same
-        saved tensors raises (autograd's version check; compiled graphs: AOT autograd's donated-buffer check)
+        saved_up is overwritten (its storage holds the SwiGLU backward's d_up, then d_hidden): a second backward
+        through the same saved tensors never reads it. Eagerly autograd's version check raises; in a compiled graph
+        AOT autograd's donated-buffer check raises, or the backward was compiled without donating saved_up and the
+        registered autograd hands the op a copy (`_may_overwrite`)
     moe_experts_backward(grad_out, <moe_experts' inputs>) -> [d_hidden, d_topk_weights, d_gate_up_proj, d_down_proj]
 They save the forward's inputs (moe_layer also saved_up) and recompute the rest: the routing, and without
 saved_up rows the up projection (`route_backward`, `experts_backward`: matmuls in the weights' dtype, sums in
@@ -483,7 +485,7 @@ def _fold(rows, row, num_tokens, top_k, dtype=None, out=None):
 def _storage_as(t: torch.Tensor, shape, dtype) -> Optional[torch.Tensor]:
     """A contiguous tensor of `shape` and `dtype` over the start of t's storage (t contiguous), or None if t is too
     small: a scratch buffer in memory that t no longer needs."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not t.is_contiguous() or t.numel() * t.element_size() < nbytes or t.data_ptr() % 16:
         return None
     return t.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)

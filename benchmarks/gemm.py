@@ -23,6 +23,7 @@ import torch
 import triton
 
 from kosmos.kernels.gemm import CONFIGS, gemm, num_sms, plan_gemm, select_config
+from timing import bench_graph
 
 MS = (4096, 8192, 16384, 32768)
 DEFAULT_SWEEP = "table,bn256+nosk,bn256+sk,bn256_g16,bn128"
@@ -51,40 +52,6 @@ def bench(fn, args):
     if args.timing == "graph":
         return bench_graph(fn)
     return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
-
-
-_FLUSH = None
-
-
-def bench_graph(fn, calls: int = 20, replays: int = 7) -> float:
-    """Device time of one fn() in ms, launch cost excluded: a CUDA graph of `calls` x (L2 flush, fn) and one of
-    `calls` x (L2 flush) are each replayed `replays` times; median difference / calls."""
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
-    fn()  # warm: compile, caches
-    torch.cuda.synchronize()
-    times = {}
-    for with_fn in (True, False):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                _FLUSH.zero_()
-                if with_fn:
-                    fn()
-        g.replay()
-        torch.cuda.synchronize()
-        ms = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            ms.append(start.elapsed_time(end))
-        times[with_fn] = statistics.median(ms)
-        del g
-    return (times[True] - times[False]) / calls
 
 
 def main():

@@ -35,12 +35,6 @@ AG_SHAPES = [(8192, 4096, 4096), (16384, 4096, 6144), (8192, 4096, 14336)]
 RS_SHAPES = [(8192, 4096, 4096), (16384, 4096, 4096), (8192, 14336, 4096)]
 
 
-def bench(fn, warmup_ms=25, rep_ms=200) -> float:
-    import triton
-
-    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-
-
 def rel_err(out, ref) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
@@ -53,82 +47,112 @@ def tflops(M, K, N, ms, copies=1) -> float:
 
 
 def queue_mode(args) -> list[dict]:
+    """Per shape: every candidate checked first, the GPU heated, then `rounds` rounds timing each candidate
+    in turn (CUDA-graph replays, L2 flushed); a figure is the median over its rounds. Candidates: cuBLAS,
+    the GEMM core, the core with its tile loop nested (the loop structure of a claim loop), and the fused
+    op at W = 1 and SimWorld W = 8 (AG+GEMM with and without the gathered buffer returned)."""
+    import statistics
+
+    from timing import bench_graph, heat
+
     from kosmos.kernels import gemm as core
     from kosmos.kernels.runtime import SimWorld
 
-    # the core without its flattened tile loop: the loop structure a claim loop has
-    nested = getattr(core, "CONFIGS", {}).get("bn256_nested")
-
-    def gemm(a, b, out, config=None):
-        return core.gemm(a, b, out=out, **({"config": config} if config is not None else {}))
-
-    def timed_core(a, b, out, config=None):
-        """Median ms of the GEMM core (NaN if the core cannot run this; then cuBLAS stands in for W*core)."""
-        try:
-            gemm(a, b, out, config)
-            return bench(lambda: gemm(a, b, out, config))
-        except Exception as e:  # noqa: BLE001  (the core is another module; report, do not die)
-            print(f"GEMM core failed ({type(e).__name__}: {str(e)[:200]}); cuBLAS stands in", flush=True)
-            if config is not None:
-                return float("nan")
-            torch.mm(a, b, out=out)
-            return bench(lambda: torch.mm(a, b, out=out))
-
+    nested = core.CONFIGS["bn256_nested"]
     dev = "cuda"
     rows = []
     g = torch.Generator(device=dev).manual_seed(0)
     sims = {W: SimWorld(W) for W in (1, 8)}
+
+    def timed(M, K, N, base: dict, fused: dict):
+        """base: name -> fn over the whole GEMM; fused: (op, W) -> (fn, result-check fn). Returns rows."""
+        errs = {}
+        for key, (fn, check) in fused.items():
+            fn()
+            torch.cuda.synchronize()
+            errs[key] = check()
+        heat(base["core"], args.heat)
+        ms = {k: [] for k in list(base) + list(fused)}
+        for _ in range(args.rounds):
+            for k, fn in base.items():
+                ms[k].append(bench_graph(fn))
+            for k, (fn, _) in fused.items():
+                ms[k].append(bench_graph(fn))
+        med = {k: statistics.median(v) for k, v in ms.items()}
+        out = []
+        for (op, W), (_, _) in fused.items():
+            t = med[(op, W)]
+            out.append(dict(op=op, M=M, K=K, N=N, W=W, cublas_ms=med["cublas"], core_ms=med["core"],
+                            core_nested_ms=med["nested"], fused_ms=t, fused_ms_rounds=ms[(op, W)],
+                            core_ms_rounds=ms["core"], ref_ms=W * med["core"],
+                            overhead_pct=100 * (t / (W * med["core"]) - 1), fused_tflops=tflops(M, K, N, t, W),
+                            core_tflops=tflops(M, K, N, med["core"]), err_vs_core=errs[(op, W)]))
+            print(json.dumps(out[-1]), flush=True)
+        return out
+
     for (M, K, N) in AG_SHAPES:
         a = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
         w = torch.randn(N, K, device=dev, generator=g).to(torch.bfloat16)  # Linear weight, used as w.t()
         core_out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-        t_nested = timed_core(a, w.t(), core_out, nested) if nested is not None else float("nan")
-        t_cublas = bench(lambda: torch.mm(a, w.t(), out=core_out))
-        t_core = timed_core(a, w.t(), core_out)  # last: core_out holds the core's product for err_vs_core
-        for (W, sw), epi in [(item, e) for item in sims.items() for e in ("tma", "store")]:
+        nested_out = torch.empty_like(core_out)
+        cublas_out = torch.empty_like(core_out)
+        core.gemm(a, w.t(), out=core_out)
+        base = dict(cublas=lambda: torch.mm(a, w.t(), out=cublas_out),
+                    core=lambda: core.gemm(a, w.t(), out=core_out),
+                    nested=lambda: core.gemm(a, w.t(), out=nested_out, config=nested))
+        fused = {}
+        for W, sw in sims.items():
             aw = a.view(W, M // W, K)
             ww = w.t().unsqueeze(0).expand(W, K, N)  # one weight for every simulated rank (rank stride 0)
-            outs = [torch.empty(W, M, N, device=dev, dtype=torch.bfloat16)]
-            gath = torch.empty(W, M, K, device=dev, dtype=torch.bfloat16)
-            run = lambda: sw.ag_gemm(aw, [ww], None, outs=outs, gathered=gath, epilogue=epi)  # noqa: E731
-            run()
-            torch.cuda.synchronize()
-            err = max(rel_err(outs[0][r], core_out) for r in range(W))
-            t = bench(run)
-            rows.append(dict(op="ag_gemm" if epi == "tma" else "ag/store", M=M, K=K, N=N, W=W, core_ms=t_core, core_nested_ms=t_nested, cublas_ms=t_cublas, fused_ms=t,
-                             ref_ms=W * t_core, overhead_pct=100 * (t / (W * t_core) - 1),
-                             fused_tflops=tflops(M, K, N, t, W), core_tflops=tflops(M, K, N, t_core), err_vs_core=err))
-            print(json.dumps(rows[-1]), flush=True)
+            for op, with_g in (("ag_gemm", True), ("ag/nogath", False)):
+                outs = [torch.full((W, M, N), float("nan"), device=dev, dtype=torch.bfloat16)]
+                gath = torch.full((W, M, K), float("nan"), device=dev, dtype=torch.bfloat16) if with_g else None
+
+                def run(sw=sw, aw=aw, ww=ww, outs=outs, gath=gath):
+                    sw.ag_gemm(aw, [ww], None, outs=outs, gathered=gath)
+
+                def check(W=W, outs=outs, gath=gath):
+                    e = max(rel_err(outs[0][r], core_out) for r in range(W))
+                    if gath is not None and not all(torch.equal(gath[r], a) for r in range(W)):
+                        return float("nan")  # a wrong gathered buffer shows as NaN error
+                    return e
+                fused[(op, W)] = (run, check)
+        rows += timed(M, K, N, base, fused)
     for (M, K, N) in RS_SHAPES:
         x = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
         w = torch.randn(N, K, device=dev, generator=g).to(torch.bfloat16)
         core_out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-        t_nested = timed_core(x, w.t(), core_out, nested) if nested is not None else float("nan")
-        t_cublas = bench(lambda: torch.mm(x, w.t(), out=core_out))
-        t_core = timed_core(x, w.t(), core_out)
+        nested_out = torch.empty_like(core_out)
+        cublas_out = torch.empty_like(core_out)
+        core.gemm(x, w.t(), out=core_out)
+        base = dict(cublas=lambda: torch.mm(x, w.t(), out=cublas_out),
+                    core=lambda: core.gemm(x, w.t(), out=core_out),
+                    nested=lambda: core.gemm(x, w.t(), out=nested_out, config=nested))
+        fused = {}
         for W, sw in sims.items():
             xw = x.unsqueeze(0).expand(W, M, K)  # every simulated rank multiplies the same [M, K] (rank stride 0)
             ww = w.t().unsqueeze(0).expand(W, K, N)
-            out = torch.empty(W, M // W, N, device=dev, dtype=torch.bfloat16)
-            run = lambda: sw.gemm_rs([xw], [ww], None, "avg", out=out)  # noqa: E731
-            run()
-            torch.cuda.synchronize()
-            err = rel_err(out.reshape(M, N), core_out)  # avg of W equal partials == one partial
-            t = bench(run)
-            rows.append(dict(op="gemm_rs", M=M, K=K, N=N, W=W, core_ms=t_core, core_nested_ms=t_nested, cublas_ms=t_cublas, fused_ms=t,
-                             ref_ms=W * t_core, overhead_pct=100 * (t / (W * t_core) - 1),
-                             fused_tflops=tflops(M, K, N, t, W), core_tflops=tflops(M, K, N, t_core), err_vs_core=err))
-            print(json.dumps(rows[-1]), flush=True)
+            out = torch.full((W, M // W, N), float("nan"), device=dev, dtype=torch.bfloat16)
+
+            def run(sw=sw, xw=xw, ww=ww, out=out):
+                sw.gemm_rs([xw], [ww], None, "avg", out=out)
+
+            def check(out=out):
+                return rel_err(out.reshape(M, N), core_out)  # avg of W equal partials == one partial
+            fused[("gemm_rs", W)] = (run, check)
+        rows += timed(M, K, N, base, fused)
     return rows
 
 
 def print_queue_table(rows):
-    print("\nqueue overhead on one GPU: fused (all comm tasks run) vs GEMM core x W, bf16, median ms")
-    print("(nested = the core with its tile loop not flattened, as in a claim loop; ovh% is against W*core)")
-    print(f"{'op':8} {'M':>6} {'K':>6} {'N':>6} {'W':>2} {'cublas':>7} {'core':>7} {'nested':>7} {'W*core':>8} "
+    print("\nqueue overhead on one GPU: fused (all comm tasks run) vs GEMM core x W, bf16, device ms (CUDA-graph "
+          "replays, L2 flushed), median over rounds")
+    print("(nested = the core with its tile loop not flattened, as in a claim loop; ovh% is against W*core;"
+          " ag/nogath = AG+GEMM without the gathered buffer returned)")
+    print(f"{'op':9} {'M':>6} {'K':>6} {'N':>6} {'W':>2} {'cublas':>7} {'core':>7} {'nested':>7} {'W*core':>8} "
           f"{'fused':>8} {'ovh%':>6} {'TF/s':>5} {'err':>7}")
     for r in rows:
-        print(f"{r['op']:8} {r['M']:6d} {r['K']:6d} {r['N']:6d} {r['W']:2d} {r['cublas_ms']:7.3f} {r['core_ms']:7.3f} "
+        print(f"{r['op']:9} {r['M']:6d} {r['K']:6d} {r['N']:6d} {r['W']:2d} {r['cublas_ms']:7.3f} {r['core_ms']:7.3f} "
               f"{r['core_nested_ms']:7.3f} {r['ref_ms']:8.3f} {r['fused_ms']:8.3f} {r['overhead_pct']:6.1f} "
               f"{r['fused_tflops']:5.0f} {r['err_vs_core']:7.1e}")
 
@@ -137,6 +161,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["queue", "dist"], default="queue")
     p.add_argument("--out", default=None, help="JSON with every number")
+    queue_args = p.add_argument_group("queue mode")
+    queue_args.add_argument("--rounds", type=int, default=3, help="timing rounds per shape (median)")
+    queue_args.add_argument("--heat", type=float, default=2.0, help="s of GEMMs before a shape's first timing")
     dist_args = p.add_argument_group("dist mode (benchmarks/tp_sp_dist.py)")
     dist_args.add_argument("--shapes", choices=["small", "full"], default="small",
                            help="shape grid: small (2 AG + 2 RS shapes) or full (6 + 6)")

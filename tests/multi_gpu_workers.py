@@ -455,9 +455,9 @@ def fault_suite(rank: int, W: int, bound_s: float) -> dict:
     xs, wr, br = rs_inputs(rank, 6, (W * 136,), [K], N, True, dtype)
     cfg = ag_config(W, m, [N], K, dtype)
     ag_stream = queue.ag_gemm_stream(rank, W, -(-m // cfg.block_m), [-(-N // cfg.block_n)],
-                                     runtime.default_programs(a.device, 1))
+                                     runtime.default_programs(a.device, 1), cfg.group_m, False)
     cfg = rs_config(W * 136, N, [K], dtype, W)
-    rs_stream = queue.gemm_rs_stream(rank, W, -(-136 // cfg.block_m), -(-N // cfg.block_n))
+    rs_stream = queue.gemm_rs_stream(rank, W, -(-136 // cfg.block_m), -(-N // cfg.block_n), cfg.group_m)
 
     def ag_op(group):
         return lambda: torch.ops.kosmos.ag_gemm(a, weights, biases, 0, W, group.group_name, False, None)

@@ -24,7 +24,7 @@ pytestmark = [
                        reason="needs a CUDA GPU with TMA (sm_90+)"),
 ]
 
-from kosmos.kernels import queue, runtime  # noqa: E402
+from kosmos.kernels import ag_gemm, gemm_rs, queue, runtime  # noqa: E402
 from kosmos.kernels.runtime import KernelTimeout, SimWorld, WorkspaceBroken  # noqa: E402
 
 WORLDS = [1, 2, 4, 8]
@@ -348,7 +348,8 @@ def test_missing_signal_raises_ag(monkeypatch):
     err, elapsed = _timed_fault(monkeypatch, lambda: run_ag(SimWorld(W), a, ws, bs),
                                 lambda: sw.ag_gemm(a, ws, bs, drop_signal=(1, 0)), bound)
     assert err.op == "ag_gemm" and err.rank != 1
-    stream = queue.ag_gemm_stream(err.rank, W, 2, [2], sw.default_programs())
+    group_m = ag_gemm.ag_config(W, 200, [264], 256, torch.bfloat16).group_m
+    stream = queue.ag_gemm_stream(err.rank, W, 2, [2], sw.default_programs(), group_m)
     task = stream[err.task]
     # the first spin past the bound is the pull of that block or a tile waiting for the pulled block (the
     # grid claims this small stream at once, so either may start spinning first)
@@ -367,7 +368,7 @@ def test_missing_signal_raises_rs(monkeypatch):
     err, elapsed = _timed_fault(monkeypatch, lambda: run_rs(SimWorld(W), xs, ws, b, "sum"),
                                 lambda: sw.gemm_rs(xs, ws, b, "sum", drop_signal=(0, 0)), bound)
     assert (err.op, err.rank) == ("gemm_rs", 1)
-    stream = queue.gemm_rs_stream(1, W, 2, 2)
+    stream = queue.gemm_rs_stream(1, W, 2, 2, gemm_rs.rs_config(W * 136, 264, [256], torch.bfloat16, W).group_m)
     assert stream[err.task] == (queue.REDUCE, 1, 0, 0), stream[err.task]
     assert elapsed < bound + 2.0, elapsed
 

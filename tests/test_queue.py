@@ -16,22 +16,50 @@ def _random_ag(rng: random.Random):
     return world, m_blocks, n_blocks, lookahead
 
 
+def _grouped_ref(m_blocks, n_cols, group_m):
+    """The GEMM core's tile order (kosmos.kernels.gemm.tile_coords) as (m-block, column index) pairs."""
+    order = []
+    for tile_id in range(m_blocks * n_cols):
+        in_group = group_m * n_cols
+        first = (tile_id // in_group) * group_m
+        size = min(m_blocks - first, group_m)
+        order.append((first + tile_id % size, (tile_id % in_group) // size))
+    return order
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_ag_gemm_stream_order(seed):
     rng = random.Random(seed)
     world, mb_n, n_blocks, la = _random_ag(rng)
+    group_m = rng.choice([1, 2, 8])
+    gather_local = rng.random() < 0.7
     per_chunk = mb_n * sum(n_blocks)
+    cols = [(wi, nb) for wi, nn in enumerate(n_blocks) for nb in range(nn)]
     for rank in range(world):
-        s = q.ag_gemm_stream(rank, world, mb_n, n_blocks, la)
+        s = q.ag_gemm_stream(rank, world, mb_n, n_blocks, la, group_m, gather_local)
         # every task exactly once
         tiles = [t for t in s if t[0] == q.TILE]
         assert len(tiles) == len(set(tiles)) == world * per_chunk
-        assert sorted(t[1] for t in s if t[0] == q.PUBLISH) == list(range(mb_n))
         pulls = [t for t in s if t[0] == q.PULL]
         assert sorted((t[1], t[2]) for t in pulls) == sorted(
             (c, b) for c in range(world) if c != rank for b in range(mb_n))
-        # publishes lead (peers wait on them)
-        assert all(t[0] == q.PUBLISH for t in s[:mb_n])
+        locals_ = [t for t in s if t[0] == q.LOCAL]
+        if world > 1:
+            # publishes lead (peers wait on them); no LOCAL copies (a PUBLISH writes the gathered rows too)
+            assert sorted(t[1] for t in s if t[0] == q.PUBLISH) == list(range(mb_n))
+            assert all(t[0] == q.PUBLISH for t in s[:mb_n])
+            assert not locals_
+        else:
+            # nobody waits: no publish; the gathered copy, if wanted, spread evenly among the tiles
+            assert not [t for t in s if t[0] == q.PUBLISH]
+            assert [t[1] for t in locals_] == (list(range(mb_n)) if gather_local else [])
+            for t in locals_:
+                tiles_before = sum(1 for u in s[:s.index(t)] if u[0] == q.TILE)
+                assert tiles_before == t[1] * len(tiles) // mb_n
+        # each chunk's tiles in the GEMM core's grouped order
+        for c in range(world):
+            got = [(mb, cols.index((wi, nb))) for (cc, mb, wi, nb) in map(q.decode_tile, tiles) if cc == c]
+            assert got == _grouped_ref(mb_n, len(cols), group_m)
         # local chunk's tiles first, then chunks in arrival order rank+1, rank+2, ...
         chunk_seq = [q.decode_tile(t)[0] for t in tiles]
         order = q.chunk_order(rank, world)
@@ -61,10 +89,13 @@ def test_gemm_rs_stream_order(seed):
     rng = random.Random(1000 + seed)
     world = rng.choice([1, 2, 3, 4, 8])
     mb_n, nb_n = rng.randint(1, 5), rng.randint(1, 5)
+    group_m = rng.choice([1, 2, 8])
     for rank in range(world):
-        s = q.gemm_rs_stream(rank, world, mb_n, nb_n)
+        s = q.gemm_rs_stream(rank, world, mb_n, nb_n, group_m)
         tiles = [t for t in s if t[0] in (q.TILE, q.REDUCE)]
         assert len(tiles) == len(set(tiles)) == len(s) == world * mb_n * nb_n
+        for o in range(world):
+            assert [(t[2], t[3]) for t in tiles if t[1] == o] == _grouped_ref(mb_n, nb_n, group_m)
         # owners in the order they need their data: rank+1, ..., rank (own chunk last)
         owners = [t[1] for t in tiles]
         order = q.owner_order(rank, world)
@@ -99,11 +130,12 @@ def test_streams_finish_without_deadlock(seed):
     rng = random.Random(2000 + seed)
     world, mb_n, n_blocks, la = _random_ag(rng)
     programs = rng.choice([1, 2, 3, 7, 32])
-    ag = [q.ag_gemm_stream(r, world, mb_n, n_blocks, la) for r in range(world)]
+    group_m = rng.choice([1, 8])
+    ag = [q.ag_gemm_stream(r, world, mb_n, n_blocks, la, group_m, seed % 2 == 0) for r in range(world)]
     res = q.simulate(ag, q.ag_gemm_deps, programs, seed=seed)
     assert res.finished, res.stuck
     assert len(res.claimed_by) == sum(len(s) for s in ag)
-    rs = [q.gemm_rs_stream(r, world, mb_n, len(n_blocks)) for r in range(world)]
+    rs = [q.gemm_rs_stream(r, world, mb_n, len(n_blocks), group_m) for r in range(world)]
     res = q.simulate(rs, q.gemm_rs_deps, programs, seed=seed)
     assert res.finished, res.stuck
     assert len(res.claimed_by) == sum(len(s) for s in rs)

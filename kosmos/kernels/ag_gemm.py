@@ -11,9 +11,11 @@ and maps to one contiguous row block; other s take the reference path (fused_ops
 
 Each program claims tasks of its rank's stream (kosmos.kernels.queue.ag_gemm_stream) and plays the task's
 role:
-- PUBLISH block i: copy rows of the local shard into this rank's symmetric staging buffer (peers pull from
-  it; skipped at W=1) and into the gathered buffer; release ready[rank][i] at sys scope. First it waits until every peer has
-  finished the previous call (so none still reads the staging buffer being overwritten).
+- PUBLISH block i (W > 1): copy rows of the local shard into this rank's symmetric staging buffer (peers pull
+  from it) and, when the caller wants it (GATHER_LOCAL), into the gathered buffer; release ready[rank][i] at sys
+  scope. First it waits until every peer has finished the previous call (so none still reads the staging
+  buffer being overwritten).
+- LOCAL block i (W = 1, GATHER_LOCAL): copy rows of the shard into the gathered buffer; nothing waits for it.
 - PULL (q, i): wait for ready[q][i] in rank q's workspace (acquire, sys), copy that block of q's staging
   into the local gathered buffer ONCE, release the local ready[q][i] (gpu scope).
 - TILE (c, mb, wi, nb): output tile of weight wi over chunk c; the local chunk reads the shard itself (no
@@ -43,6 +45,7 @@ from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, claim, delay_ns, finis
 
 OP_ID = tl.constexpr(1)  # runtime.OP_IDS["ag_gemm"]
 MAX_WEIGHTS = 4
+COPY_ROWS, COPY_COLS = 32, 512  # block of a publish / pull / local copy step (bf16: 32 KB)
 
 # ----------------------------------------------------------------------------------------------------------
 # jit pieces
@@ -135,7 +138,7 @@ def ag_gemm_kernel(stream_ptr, n_tasks, ws_table, err_host, rank_base, world,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    EPILOGUE_SUBTILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, USE_ASM: tl.constexpr,
-                   REMAP: tl.constexpr = False):
+                   REMAP: tl.constexpr = False, GATHER_LOCAL: tl.constexpr = True):
     """EPILOGUE_TMA: output tiles through the GEMM core's epilogue (TMA store); else plain masked stores.
     C_ONCE: one weight and m % BLOCK_M == 0 (no tile crosses a chunk edge), so the output descriptor is
     built once per program over the whole [W*m, N]; otherwise per tile over the tile's chunk (clipped).
@@ -286,24 +289,24 @@ def ag_gemm_kernel(stream_ptr, n_tasks, ws_table, err_host, rank_base, world,
                 if skip_signal == 0:
                     signal_flag(my_flags + q * nmb + blk, epoch, "gpu", USE_ASM)
         else:
-            # ---- PUBLISH (block x)
+            # ---- PUBLISH (kind 0) or LOCAL (kind 4) of block x
             blk = x
-            status = wait_peers_finished(ctrl, err, world, rank, epoch - 1, timeout_ns, USE_ASM)
-            if status == 0:
-                r0 = blk * BLOCK_M
-                nrows = tl.minimum(m - r0, BLOCK_M)
-                src = my_a + r0.to(tl.int64) * a_ld
-                if REMAP:
-                    dst_g = my_g + gathered_row(rank, r0, seg, world).to(tl.int64) * K
-                else:
-                    dst_g = my_g + (rank64 * m64 + r0) * K
-                if world > 1:
-                    copy_rows(src, a_ld, my_staging + r0.to(tl.int64) * K, K, dst_g, K, nrows, K, True,
-                              COPY_ROWS, COPY_COLS)
-                else:  # no peer reads the staging buffer
-                    copy_rows(src, a_ld, dst_g, K, dst_g, K, nrows, K, False, COPY_ROWS, COPY_COLS)
-                if skip_signal == 0:
-                    signal_flag(my_flags + rank * nmb + blk, epoch, "sys", USE_ASM)
+            r0 = blk * BLOCK_M
+            nrows = tl.minimum(m - r0, BLOCK_M)
+            src = my_a + r0.to(tl.int64) * a_ld
+            if REMAP:
+                dst_g = my_g + gathered_row(rank, r0, seg, world).to(tl.int64) * K
+            else:
+                dst_g = my_g + (rank64 * m64 + r0) * K
+            if kind == 0:
+                status = wait_peers_finished(ctrl, err, world, rank, epoch - 1, timeout_ns, USE_ASM)
+                if status == 0:
+                    dst_s = my_staging + r0.to(tl.int64) * K
+                    copy_rows(src, a_ld, dst_s, K, dst_g, K, nrows, K, GATHER_LOCAL, COPY_ROWS, COPY_COLS)
+                    if skip_signal == 0:
+                        signal_flag(my_flags + rank * nmb + blk, epoch, "sys", USE_ASM)
+            else:
+                copy_rows(src, a_ld, dst_g, K, dst_g, K, nrows, K, False, COPY_ROWS, COPY_COLS)
         if status != 0:
             record_status(status, ctrl, err_host, ws_row, rank_base, world, OP_ID, rank, t)
         if status == 0:
@@ -374,10 +377,13 @@ def ag_config(world: int, m: int, ns: Sequence[int], K: int, dtype, seg: Optiona
 def launch(ws: runtime.Workspace, rank_base: int, a: _RankTensor, m: int, K: int, g: _RankTensor,
            weights: Sequence[_RankTensor], b_trans: bool, ns: Sequence[int], biases: Sequence[Optional[_RankTensor]],
            outs: Sequence[_RankTensor], *, programs: Optional[int] = None, lookahead: Optional[int] = None,
-           straggler=None, drop_signal=None, epilogue: str = "tma", seg: Optional[int] = None) -> None:
+           straggler=None, drop_signal=None, epilogue: str = "tma", seg: Optional[int] = None,
+           gather_local: bool = True) -> None:
     """Launches the fused kernel for the ranks of `ws` driven here (grid (programs, ws.n_local)).
     seg: rows per batch entry of a gather along a dim > 0 (m = B * seg; None or m: the dim-0 layout); it
-    must be a multiple of the tile's BLOCK_M (128, or 64 with the smaller tile), else ValueError."""
+    must be a multiple of the tile's BLOCK_M (128, or 64 with the smaller tile), else ValueError.
+    gather_local=False: the caller does not want the gathered buffer, so the shard's own rows of it are
+    not written (the pulled chunks are: the tiles read them from there)."""
     ws.check()
     device = a.t.device
     world, n_local = ws.world, ws.n_local
@@ -396,9 +402,10 @@ def launch(ws: runtime.Workspace, rank_base: int, a: _RankTensor, m: int, K: int
     P = programs or runtime.default_programs(device, n_local)
     la = P if lookahead is None else lookahead
     ranks = [rank_base + i for i in range(n_local)]
-    key = ("ag", world, tuple(ranks), nmb, tuple(n_blocks), la)
+    key = ("ag", world, tuple(ranks), nmb, tuple(n_blocks), la, cfg.group_m, gather_local)
     stream = runtime.cached_stream(
-        key, lambda: [queue.ag_gemm_stream(r, world, nmb, n_blocks, la) for r in ranks], device)
+        key, lambda: [queue.ag_gemm_stream(r, world, nmb, n_blocks, la, cfg.group_m, gather_local) for r in ranks],
+        device)
     n_tasks = stream.shape[1]
     ws.ensure(world * nmb, m * K * a.t.element_size())
     ws.describe("ag_gemm", f"staged local shard m*K*{a.t.element_size()} (m={m} K={K}) = "
@@ -433,13 +440,16 @@ def launch(ws: runtime.Workspace, rank_base: int, a: _RankTensor, m: int, K: int
         epilogue = "tma"  # the plain-store epilogue indexes a chunk with int32 offsets
     meta = dict(NW=nw, B_TRANS=b_trans, C_ONCE=(nw == 1 and m % BM == 0), EPILOGUE_TMA=epilogue == "tma", BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                 EPILOGUE_SUBTILE=cfg.epilogue_subtile, DOT_PRECISION="tf32",
-                COPY_ROWS=32, COPY_COLS=512, USE_ASM=not interp,
+                COPY_ROWS=COPY_ROWS, COPY_COLS=COPY_COLS, USE_ASM=not interp,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if remap:
         meta["REMAP"] = True  # the dim-0 launch stays exactly as it was (REMAP left at its default)
+    if not gather_local:
+        meta["GATHER_LOCAL"] = False
     grid = (P, n_local)
     runtime.check_grid_fits(ag_gemm_kernel, ("ag", dtype, outs[0].t.dtype, nw, b_trans, meta["C_ONCE"],
-                                              meta["EPILOGUE_TMA"], cfg, remap), grid, device, args, meta)
+                                              meta["EPILOGUE_TMA"], cfg, remap, gather_local), grid, device, args,
+                            meta)
     with ws.lock:
         ag_gemm_kernel[grid](*args, **meta)
     ws.after_launch()
@@ -520,6 +530,7 @@ def _ag_gemm_sim_rows(world_obj, a, weights, biases, return_gathered, out_dtype,
             raise ValueError(f"SimWorld.ag_gemm: out must be contiguous rows [W, W*m, N], got {tuple(o.shape)}")
     if tuple(g.shape) != (W, W * m, K) or not g.is_contiguous():
         raise ValueError("SimWorld.ag_gemm: gathered must be a contiguous [W, W*m, K]")
+    gather_local = return_gathered or gathered is not None  # a buffer given by the caller is filled whole
     launch(world_obj.workspace, 0, _RankTensor(a, a.stride(0), a.stride(1)), m, K,
            _RankTensor(g, g.stride(0), K),
            [_RankTensor(w, w.stride(0), _weight_view(w[0])[1]) for w in weights], b_trans,
@@ -527,7 +538,7 @@ def _ag_gemm_sim_rows(world_obj, a, weights, biases, return_gathered, out_dtype,
            [(_RankTensor(b, b.stride(0), 1) if b is not None else None) for b in biases],
            [_RankTensor(o, o.stride(0), o.stride(1)) for o in outs],
            programs=programs, lookahead=lookahead, straggler=straggler, drop_signal=drop_signal, epilogue=epilogue,
-           seg=seg)
+           seg=seg, gather_local=gather_local)
     return outs + ([g] if return_gathered else [])
 
 
@@ -557,7 +568,7 @@ def ag_gemm_group(a: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequ
            [_RankTensor(w, 0, _weight_view(w)[1]) for w in weights], b_trans, [w.shape[1] for w in weights],
            [(_RankTensor(b, 0, 1) if b is not None else None) for b in biases],
            [_RankTensor(o, 0, o.stride(0)) for o in outs], seg=s_rows if B > 1 else None, programs=programs,
-           straggler=straggler, drop_signal=drop_signal)
+           straggler=straggler, drop_signal=drop_signal, gather_local=return_gathered)
     glead = list(lead)
     glead[gather_dim] *= world
     res = [o.view(*glead, o.shape[-1]) for o in outs]

@@ -232,8 +232,9 @@ def launch(ws: runtime.Workspace, rank_base: int, xs: Sequence[_RankTensor], ks:
     nmb, nnb = triton.cdiv(mo, BM), triton.cdiv(N, BN)
     P = programs or runtime.default_programs(device, n_local)
     ranks = [rank_base + i for i in range(n_local)]
-    key = ("rs", world, tuple(ranks), nmb, nnb)
-    stream = runtime.cached_stream(key, lambda: [queue.gemm_rs_stream(r, world, nmb, nnb) for r in ranks], device)
+    key = ("rs", world, tuple(ranks), nmb, nnb, cfg.group_m)
+    stream = runtime.cached_stream(
+        key, lambda: [queue.gemm_rs_stream(r, world, nmb, nnb, cfg.group_m) for r in ranks], device)
     n_tasks = stream.shape[1]
     ws.ensure(world * nmb * nnb, world * mo * N * xs[0].t.element_size())
     ws.describe("gemm_rs", f"partial slots W*(M/W)*N*{xs[0].t.element_size()} (W={world} M/W={mo} N={N}) = "

@@ -5,7 +5,7 @@ take whatever role the task has. The stream is an int32 tensor [ranks, tasks, 4]
 (kind, x, y, z):
 
     PUBLISH (0, block, 0, 0)         copy rows block*BM.. of the local shard into this rank's symmetric
-                                     staging buffer (peers pull from it) and into its gathered buffer
+                                     staging buffer (peers pull from it) and into its gathered buffer (W > 1)
     PULL    (1, src, block, 0)       copy rows block*BM.. of rank src's staging into the gathered buffer
     TILE    (2, chunk, mblock, wi<<16 | nblock)
                                      AG+GEMM: output tile of weight wi over gathered chunk `chunk`;
@@ -13,11 +13,17 @@ take whatever role the task has. The stream is an int32 tensor [ranks, tasks, 4]
     REDUCE  (3, rank, mblock, nblock) GEMM+RS: the own tile (as TILE, into the own slot) and right behind it,
                                      in the same program, the fold of the W partials of that tile in rank
                                      order 0..W-1 (bitwise deterministic whatever program runs it)
+    LOCAL   (4, block, 0, 0)         AG+GEMM at W = 1: copy rows block*BM.. of the shard into the gathered
+                                     buffer (nobody waits for it)
 
 Orders (DESIGN.md, "Queue ordered by consumer demand"):
 - AG+GEMM on rank r: PUBLISH of every local block first (peers wait for them), then the tiles of the local
   chunk, then chunks in arrival order r+1, r+2, ... (rank r pulls from r+1 first, so each rank is read by
   one peer at a time). The PULLs of chunk c_{j+1} sit just before the last `lookahead` tiles of chunk c_j.
+  At W = 1 no peer waits: the shard's copy into the gathered buffer (only when the caller wants that buffer)
+  is LOCAL tasks spread evenly among the tiles, so the copies' memory traffic overlaps compute-bound tiles
+  (all at the end, the copy costs its whole HBM time; all at the start, it delays the first wave).
+- Tiles of one chunk in the GEMM core's grouped order (`grouped`).
 - GEMM+RS on rank r: tiles in the order their owners need them, owners r+1, ..., r+W-1, r (the own chunk
   last: its partial never leaves the GPU); the own chunk's tiles are REDUCE tasks: each fold runs right
   behind the tile it folds, in the program that computed it, so no program ever waits on a tile that
@@ -39,8 +45,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-PUBLISH, PULL, TILE, REDUCE = 0, 1, 2, 3
-KIND_NAMES = {PUBLISH: "publish", PULL: "pull", TILE: "tile", REDUCE: "reduce"}
+PUBLISH, PULL, TILE, REDUCE, LOCAL = 0, 1, 2, 3, 4
+KIND_NAMES = {PUBLISH: "publish", PULL: "pull", TILE: "tile", REDUCE: "reduce", LOCAL: "local"}
 FIELDS = 4
 WEIGHT_SHIFT = 16
 
@@ -67,8 +73,20 @@ def decode_tile(task: Task) -> tuple[int, int, int, int]:
     return c, mb, z >> WEIGHT_SHIFT, z & ((1 << WEIGHT_SHIFT) - 1)
 
 
-def ag_gemm_stream(rank: int, world: int, m_blocks: int, n_blocks: Sequence[int], lookahead: int) -> list[Task]:
-    """Task stream of AG+GEMM on `rank`: m_blocks row blocks per shard, n_blocks[i] column blocks of weight i."""
+def grouped(m_blocks: int, cols: Sequence, group_m: int) -> list[tuple[int, object]]:
+    """(m-block, column) pairs of one chunk in the GEMM core's grouped order (kosmos.kernels.gemm.tile_coords):
+    `group_m` m-blocks at a time, walked column by column, so the tiles running at once share the weight's
+    column blocks in L2 instead of streaming the whole weight per wave (group_m=1: row by row)."""
+    g = max(1, group_m)
+    return [(mb, col) for g0 in range(0, m_blocks, g) for col in cols for mb in range(g0, min(g0 + g, m_blocks))]
+
+
+def ag_gemm_stream(rank: int, world: int, m_blocks: int, n_blocks: Sequence[int], lookahead: int,
+                   group_m: int = 1, gather_local: bool = True) -> list[Task]:
+    """Task stream of AG+GEMM on `rank`: m_blocks row blocks per shard, n_blocks[i] column blocks of weight i;
+    a chunk's tiles in grouped order (`grouped`), the columns of every weight side by side. gather_local:
+    the shard's own rows of the gathered buffer are wanted (at W = 1 they cost LOCAL tasks; at W > 1 the
+    PUBLISH writes them anyway)."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside world {world}")
     if m_blocks < 1 or not n_blocks or min(n_blocks) < 1:
@@ -76,20 +94,34 @@ def ag_gemm_stream(rank: int, world: int, m_blocks: int, n_blocks: Sequence[int]
     if max(n_blocks) >= 1 << WEIGHT_SHIFT or len(n_blocks) > 4:
         raise ValueError(f"too many column blocks or weights: {list(n_blocks)}")
     order = chunk_order(rank, world)
-    stream: list[Task] = [(PUBLISH, mb, 0, 0) for mb in range(m_blocks)]
+    stream: list[Task] = [(PUBLISH, mb, 0, 0) for mb in range(m_blocks)] if world > 1 else []
     for j, c in enumerate(order):
-        tiles = [tile_task(c, mb, wi, nb) for mb in range(m_blocks)
-                 for wi, nn in enumerate(n_blocks) for nb in range(nn)]
+        cols = [(wi, nb) for wi, nn in enumerate(n_blocks) for nb in range(nn)]
+        tiles = [tile_task(c, mb, wi, nb) for mb, (wi, nb) in grouped(m_blocks, cols, group_m)]
         if j + 1 < world:
             pulls = [(PULL, order[j + 1], mb, 0) for mb in range(m_blocks)]
             cut = max(0, len(tiles) - max(0, lookahead))
             tiles = tiles[:cut] + pulls + tiles[cut:]
         stream += tiles
+    if world == 1 and gather_local:
+        stream = interleave_local(stream, m_blocks)
     return stream
 
 
-def gemm_rs_stream(rank: int, world: int, m_blocks: int, n_blocks: int) -> list[Task]:
-    """Task stream of GEMM+RS on `rank`: m_blocks x n_blocks tiles per owner chunk."""
+def interleave_local(tiles: Sequence[Task], m_blocks: int) -> list[Task]:
+    """LOCAL copy i of the m_blocks placed right before tile i * len(tiles) // m_blocks."""
+    at = {i * len(tiles) // m_blocks: [] for i in range(m_blocks)}
+    for i in range(m_blocks):
+        at[i * len(tiles) // m_blocks].append((LOCAL, i, 0, 0))
+    out: list[Task] = []
+    for j, t in enumerate(tiles):
+        out += at.get(j, [])
+        out.append(t)
+    return out
+
+
+def gemm_rs_stream(rank: int, world: int, m_blocks: int, n_blocks: int, group_m: int = 1) -> list[Task]:
+    """Task stream of GEMM+RS on `rank`: m_blocks x n_blocks tiles per owner chunk, in grouped order."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside world {world}")
     if m_blocks < 1 or n_blocks < 1:
@@ -97,7 +129,7 @@ def gemm_rs_stream(rank: int, world: int, m_blocks: int, n_blocks: int) -> list[
     stream: list[Task] = []
     for o in owner_order(rank, world):
         kind = REDUCE if o == rank else TILE
-        stream += [(kind, o, mb, nb) for mb in range(m_blocks) for nb in range(n_blocks)]
+        stream += [(kind, o, mb, nb) for mb, nb in grouped(m_blocks, range(n_blocks), group_m)]
     return stream
 
 
@@ -161,6 +193,8 @@ def ag_gemm_deps(rank: int, world: int, task: Task) -> tuple[list[Flag], list[Fl
     kind = task[0]
     if kind == PUBLISH:
         return [], [Flag(rank, "ready", (rank, task[1]))]
+    if kind == LOCAL:
+        return [], []
     if kind == PULL:
         src, mb = task[1], task[2]
         return [Flag(src, "ready", (src, mb))], [Flag(rank, "ready", (src, mb))]
@@ -195,7 +229,7 @@ def simulate(streams: Sequence[Sequence[Task]], deps, programs: int, seed: int =
     (per kind) and random start skew per rank stand in for stragglers. Returns whether everything finished."""
     rng = random.Random(seed)
     world = len(streams)
-    dur = {PUBLISH: (0.5, 2.0), PULL: (1.0, 4.0), TILE: (1.0, 3.0), REDUCE: (0.3, 1.0)}
+    dur = {PUBLISH: (0.5, 2.0), PULL: (1.0, 4.0), TILE: (1.0, 3.0), REDUCE: (0.3, 1.0), LOCAL: (0.5, 2.0)}
     if durations:
         dur.update(durations)
     set_flags: set = set()
@@ -272,6 +306,8 @@ def describe(task: Task) -> str:
         return f"pull(src={task[1]}, block={task[2]})"
     if kind == PUBLISH:
         return f"publish(block={task[1]})"
+    if kind == LOCAL:
+        return f"local copy(block={task[1]})"
     if kind == REDUCE:
         return f"tile+reduce(mblock={task[2]}, nblock={task[3]})"
     return f"task{tuple(task)}"

@@ -1,0 +1,50 @@
+"""Device-time measurement shared by the benchmarks: CUDA-graph replays with the L2 flushed between calls."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+_FLUSH = None
+
+
+def bench_graph(fn, calls: int = 20, replays: int = 7) -> float:
+    """Device time of one fn() in ms, launch cost excluded: a CUDA graph of `calls` x (L2 flush, fn) and one of
+    `calls` x (L2 flush) are each replayed `replays` times; median difference / calls."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    fn()  # warm: compile, caches
+    torch.cuda.synchronize()
+    times = {}
+    for with_fn in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                _FLUSH.zero_()
+                if with_fn:
+                    fn()
+        g.replay()
+        torch.cuda.synchronize()
+        ms = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            ms.append(start.elapsed_time(end))
+        times[with_fn] = statistics.median(ms)
+        del g
+    return (times[True] - times[False]) / calls
+
+
+def heat(fn, seconds: float = 2.0) -> None:
+    """Runs fn back to back for `seconds`: the GPU's clocks settle at their loaded (power-capped) level, so
+    the first timing of a run is not taken at an idle GPU's boost clock."""
+    t_end = time.time() + seconds
+    while time.time() < t_end:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()

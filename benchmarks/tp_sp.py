@@ -90,16 +90,22 @@ def queue_mode(args) -> list[dict]:
             print(json.dumps(out[-1]), flush=True)
         return out
 
-    for (M, K, N) in AG_SHAPES:
-        a = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
-        w = torch.randn(N, K, device=dev, generator=g).to(torch.bfloat16)  # Linear weight, used as w.t()
+    def baselines(M, K, N):
+        """Random bf16 input [M, K] and Linear weight [N, K] (used as w.t()), the core's product of them, and the
+        unfused candidates: cuBLAS, the GEMM core, the core with a nested tile loop."""
+        x = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
+        w = torch.randn(N, K, device=dev, generator=g).to(torch.bfloat16)
         core_out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
         nested_out = torch.empty_like(core_out)
         cublas_out = torch.empty_like(core_out)
-        core.gemm(a, w.t(), out=core_out)
-        base = dict(cublas=lambda: torch.mm(a, w.t(), out=cublas_out),
-                    core=lambda: core.gemm(a, w.t(), out=core_out),
-                    nested=lambda: core.gemm(a, w.t(), out=nested_out, config=nested))
+        core.gemm(x, w.t(), out=core_out)
+        base = dict(cublas=lambda: torch.mm(x, w.t(), out=cublas_out),
+                    core=lambda: core.gemm(x, w.t(), out=core_out),
+                    nested=lambda: core.gemm(x, w.t(), out=nested_out, config=nested))
+        return x, w, core_out, base
+
+    for (M, K, N) in AG_SHAPES:
+        a, w, core_out, base = baselines(M, K, N)
         fused = {}
         for W, sw in sims.items():
             aw = a.view(W, M // W, K)
@@ -119,15 +125,7 @@ def queue_mode(args) -> list[dict]:
                 fused[(op, W)] = (run, check)
         rows += timed(M, K, N, base, fused)
     for (M, K, N) in RS_SHAPES:
-        x = torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16)
-        w = torch.randn(N, K, device=dev, generator=g).to(torch.bfloat16)
-        core_out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-        nested_out = torch.empty_like(core_out)
-        cublas_out = torch.empty_like(core_out)
-        core.gemm(x, w.t(), out=core_out)
-        base = dict(cublas=lambda: torch.mm(x, w.t(), out=cublas_out),
-                    core=lambda: core.gemm(x, w.t(), out=core_out),
-                    nested=lambda: core.gemm(x, w.t(), out=nested_out, config=nested))
+        x, w, core_out, base = baselines(M, K, N)
         fused = {}
         for W, sw in sims.items():
             xw = x.unsqueeze(0).expand(W, M, K)  # every simulated rank multiplies the same [M, K] (rank stride 0)

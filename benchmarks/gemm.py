@@ -23,7 +23,7 @@ import torch
 import triton
 
 from kosmos.kernels.gemm import CONFIGS, gemm, num_sms, plan_gemm, select_config
-from timing import bench_graph
+from measure import bench_graph, rel_err
 
 MS = (4096, 8192, 16384, 32768)
 DEFAULT_SWEEP = "table,bn256+nosk,bn256+sk,bn256_g16,bn128"
@@ -42,10 +42,6 @@ def projection_shapes(tps=(8, 4)):
                        (f"{name}.gateup.tp{tp}", 2 * inter // tp, hidden),
                        (f"{name}.down.tp{tp}", hidden, inter // tp)]
     return shapes
-
-
-def rel_err(out, ref):
-    return ((out.float() - ref).norm() / ref.norm()).item()
 
 
 def bench(fn, args):

@@ -25,6 +25,7 @@ import json
 import torch
 
 from kosmos.kernels.moe_ops import fused_env
+from measure import rel_err
 
 LAYERS = {
     "qwen3_30b_a3b": dict(family="qwen3_moe", H=2048, I=768, E=128, k=8),
@@ -65,10 +66,6 @@ def build_block(layer: str, device, dtype, tiny: bool = False):
         with torch.no_grad():
             bias.copy_(torch.randn_like(bias) * 0.01)
     return block.to(dtype), d
-
-
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def timed(fn, args) -> float:

@@ -35,10 +35,6 @@ AG_SHAPES = [(8192, 4096, 4096), (16384, 4096, 6144), (8192, 4096, 14336)]
 RS_SHAPES = [(8192, 4096, 4096), (16384, 4096, 4096), (8192, 14336, 4096)]
 
 
-def rel_err(out, ref) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
-
-
 def tflops(M, K, N, ms, copies=1) -> float:
     return 2.0 * M * K * N * copies / (ms * 1e-3) / 1e12
 
@@ -53,7 +49,7 @@ def queue_mode(args) -> list[dict]:
     op at W = 1 and SimWorld W = 8 (AG+GEMM with and without the gathered buffer returned)."""
     import statistics
 
-    from timing import bench_graph, heat
+    from measure import bench_graph, heat, rel_err
 
     from kosmos.kernels import gemm as core
     from kosmos.kernels.runtime import SimWorld
@@ -159,9 +155,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["queue", "dist"], default="queue")
     p.add_argument("--out", default=None, help="JSON with every number")
-    queue_args = p.add_argument_group("queue mode")
-    queue_args.add_argument("--rounds", type=int, default=3, help="timing rounds per shape (median)")
-    queue_args.add_argument("--heat", type=float, default=2.0, help="s of GEMMs before a shape's first timing")
+    p.add_argument("--rounds", type=int, default=3, help="timing rounds per shape, every method once per round (median)")
+    p.add_argument("--heat", type=float, default=2.0, help="s of GEMMs before a shape's first timing")
     dist_args = p.add_argument_group("dist mode (benchmarks/tp_sp_dist.py)")
     dist_args.add_argument("--shapes", choices=["small", "full"], default="small",
                            help="shape grid: small (2 AG + 2 RS shapes) or full (6 + 6)")

@@ -5,7 +5,8 @@
 Per shape (M, K, N) of the whole GEMM, bf16, each rank holding its own random shard and weight:
 - AG: a [M/W, K] per rank, w [N, K] per rank; out = all_gather(a) @ w.t(), [M, N] on every rank;
 - RS: x [M, K/W] per rank, w [N, K/W] per rank; out = reduce_scatter(x @ w.t()), [M/W, N] per rank.
-Timed, each as a median over reps after warm-up and then the max over ranks: NCCL + cuBLAS in sequence; the
+Timed, each as the median over `rounds` rounds (every method once per round, in turn, after the GPU was heated
+by 2 s of the rank's GEMM) of a median over reps after warm-up, then the max over ranks: NCCL + cuBLAS in sequence; the
 GEMM alone (cuBLAS on the full gathered input for AG, on the full local input for RS); the collective alone
 (NCCL all_gather / reduce_scatter); PyTorch async-TP (torch.ops.symm_mem.fused_all_gather_matmul /
 fused_matmul_reduce_scatter); kosmos (torch.ops.kosmos.ag_gemm / gemm_rs). Derived: bound = max(GEMM, collective),
@@ -25,6 +26,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from measure import heat, rel_err
 
 SHAPES = {
     "small": {"ag_gemm": [(8192, 4096, 4096), (16384, 8192, 7168)],
@@ -35,10 +37,6 @@ SHAPES = {
                          (16384, 14336, 8192), (32768, 28672, 8192)]},
 }
 METHODS = ("nccl_cublas", "gemm", "comm", "async_tp", "kosmos")
-
-
-def rel_err(out, ref) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
 def time_dist(fn, reps: int, warmup: int, inner: int) -> float:
@@ -128,15 +126,25 @@ def measure(op: str, M: int, K: int, N: int, W: int, group_name: str, args, have
             row[f"{name}_err"] = rel_err(fns[name](), ref)
         except Exception as e:  # noqa: BLE001  (reported; timed below all the same)
             row["errors"][f"{name}_check"] = f"{type(e).__name__}: {e}"[:400]
-    for name in METHODS:
-        if name == "async_tp" and not have_async_tp:
-            continue
-        if name == "kosmos":
-            kosmos.reset_report()
-        try:
-            row[f"{name}_ms"] = time_dist(fns[name], args.reps, args.warmup, args.inner)
-        except Exception as e:  # noqa: BLE001  (reported; the other methods still run)
-            row["errors"][name] = f"{type(e).__name__}: {e}"[:400]
+    # rounds of every method in turn, after heating the GPU with the rank's GEMM alone (no collective: the ranks
+    # may run it a different number of times), so clock drift hits every method alike
+    names = [n for n in METHODS if n != "async_tp" or have_async_tp]
+    heat(fns["gemm"], args.heat)
+    dist.barrier()
+    kosmos.reset_report()
+    samples: dict = {n: [] for n in names}
+    for _ in range(args.rounds):
+        for name in names:
+            if name in row["errors"]:
+                continue
+            try:
+                samples[name].append(time_dist(fns[name], args.reps, args.warmup, args.inner))
+            except Exception as e:  # noqa: BLE001  (reported; the other methods still run)
+                row["errors"][name] = f"{type(e).__name__}: {e}"[:400]
+    for name, ms in samples.items():
+        if ms and name not in row["errors"]:
+            row[f"{name}_ms"] = statistics.median(ms)
+            row[f"{name}_ms_rounds"] = ms
     row["kosmos_impls"] = _impls(op)
     derive(row, flops)
     return row
@@ -215,7 +223,8 @@ def write_json(path: str, rows: list[dict], args) -> None:
     import triton
 
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                shapes=args.shapes, reps=args.reps, warmup=args.warmup, inner=args.inner)
+                shapes=args.shapes, reps=args.reps, warmup=args.warmup, inner=args.inner, rounds=args.rounds,
+                heat=args.heat)
     with open(path, "w") as f:
         json.dump(dict(meta, rows=rows), f, indent=1)
 

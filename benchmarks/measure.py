@@ -1,4 +1,5 @@
-"""Device-time measurement shared by the benchmarks: CUDA-graph replays with the L2 flushed between calls."""
+"""Measurement helpers shared by the benchmarks: device time from CUDA-graph replays (L2 flushed between
+calls), GPU heating before a timing, relative error."""
 from __future__ import annotations
 
 import statistics
@@ -48,3 +49,8 @@ def heat(fn, seconds: float = 2.0) -> None:
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in fp32 (the Frobenius norm over all elements)."""
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()

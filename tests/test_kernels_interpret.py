@@ -26,7 +26,8 @@ import sys
 import pytest
 
 CASES = ["ag_two_weights_bias", "ag_store_epilogue", "ag_row_major_rerun", "rs_sum_avg_pairs", "rs_one_pair_nobias",
-         "missing_signal_raises", "peer_abort_noted", "epochs_advance", "ag_gather_dim1", "rs_scatter_dim1"]
+         "missing_signal_raises", "peer_abort_noted", "epochs_advance", "ag_gather_dim1", "rs_scatter_dim1",
+         "ag_gathered_or_not"]
 # multi-rank cases, one thread per rank (see _threaded_interpreter)
 THREAD_CASES = ["threads_ag_dim0", "threads_ag_dim1", "threads_rs_dim0", "threads_rs_dim1", "threads_moe_ep",
                 "threads_moe_ep_group"]
@@ -398,7 +399,7 @@ def _run_ranks(sw, fn, timeout=120.0):
     assert not errors, errors[0]
 
 
-def _ag_ranks(torch, sw, a4, ws, bs, gather_dim, epilogue="tma"):
+def _ag_ranks(torch, sw, a4, ws, bs, gather_dim, epilogue="tma", gather_local=True):
     """AG+GEMM of a4 [W, *shard] on W threads (kernel launched per rank, programs=1); outs in gathered shape."""
     from kosmos.kernels import ag_gemm as agm
     from kosmos.kernels import queue
@@ -418,7 +419,7 @@ def _ag_ranks(torch, sw, a4, ws, bs, gather_dim, epilogue="tma"):
                    [RT(w, w.stride(0), agm._weight_view(w[0])[1]) for w in ws], True, [w.shape[2] for w in ws],
                    [RT(b, b.stride(0), 1) if b is not None else None for b in bs],
                    [RT(o, o.stride(0), o.stride(1)) for o in outs], programs=1, epilogue=epilogue,
-                   seg=s if B > 1 else None)
+                   seg=s if B > 1 else None, gather_local=gather_local)
 
     _run_ranks(sw, fn)
     glead = list(lead)
@@ -446,8 +447,49 @@ def _check_ag_ranks(torch, SimWorld, W, lead, K, Ns, gather_dim, seed, epilogue=
 
 
 def case_threads_ag_dim0(torch, SimWorld):
-    """The harness on the dim-0 path (unchanged kernel): W=2, ragged rows."""
-    return {"err": _check_ag_ranks(torch, SimWorld, 2, [150], 32, [40, 16], 0, seed=11)}
+    """The harness on the dim-0 path: W=2, ragged rows; then without the gathered buffer wanted (gather_local
+    False): the same outputs, and each rank's own rows of its gathered buffer are left unwritten."""
+    err = _check_ag_ranks(torch, SimWorld, 2, [150], 32, [40, 16], 0, seed=11)
+    g = torch.Generator().manual_seed(11)
+    a4 = torch.randn(2, 150, 32, generator=g).half()
+    ws = [torch.randn(2, n, 32, generator=g).half().transpose(1, 2) for n in (40, 16)]
+    bs = [torch.randn(2, 40, generator=g).half(), None]
+    outs, gat = _ag_ranks(torch, SimWorld(2, device="cpu"), a4, ws, bs, 0)
+    outs_n, gat_n = _ag_ranks(torch, SimWorld(2, device="cpu"), a4, ws, bs, 0, gather_local=False)
+    assert all(torch.equal(x, y) for x, y in zip(outs, outs_n)), "outputs depend on gather_local"
+    for r in range(2):
+        own = slice(r * 150, (r + 1) * 150)
+        assert gat_n[r, own].isnan().all(), f"rank {r} wrote its own rows of an unwanted gathered buffer"
+        other = slice((1 - r) * 150, (2 - r) * 150)
+        assert torch.equal(gat_n[r, other], a4[1 - r]), f"rank {r}'s pulled chunk"
+    return {"err": err}
+
+
+def case_ag_gathered_or_not(torch, SimWorld):
+    """W=1: the shard's copy into the gathered buffer (LOCAL tasks between the tiles) is made when the buffer is
+    given or returned and left out otherwise; the outputs are the same bits either way."""
+    from kosmos.kernels import queue
+    from kosmos.kernels.ag_gemm import ag_config, ag_gemm_sim
+
+    g = torch.Generator().manual_seed(9)
+    sw = SimWorld(1, device="cpu")
+    m, K, n = 300, 32, 264  # 3 row blocks, 2 column blocks
+    a = torch.randn(1, m, K, generator=g).half()
+    w = torch.randn(1, n, K, generator=g).half().transpose(1, 2)
+    gat = torch.full((1, m, K), float("nan")).half()
+    with_g = ag_gemm_sim(sw, a, [w], None, gathered=gat, programs=1)
+    assert torch.equal(gat[0], a[0]), "gathered buffer"
+    ret = ag_gemm_sim(sw, a, [w], None, return_gathered=True, programs=1)
+    assert torch.equal(ret[1][0], a[0]) and torch.equal(ret[0], with_g[0])
+    without = ag_gemm_sim(sw, a, [w], None, programs=1)
+    assert len(without) == 1 and torch.equal(without[0], with_g[0]), "outputs depend on the gathered copy"
+    assert _rel(without[0][0], a[0].float() @ w[0].float()) < 1e-3
+    cfg = ag_config(1, m, [n], K, torch.float16)
+    nmb, nnb = -(-m // cfg.block_m), -(-n // cfg.block_n)
+    kinds = [t[0] for t in queue.ag_gemm_stream(0, 1, nmb, [nnb], 1, cfg.group_m, True)]
+    assert kinds.count(queue.LOCAL) == nmb and kinds[0] == queue.LOCAL and kinds[-1] == queue.TILE
+    assert queue.LOCAL not in [t[0] for t in queue.ag_gemm_stream(0, 1, nmb, [nnb], 1, cfg.group_m, False)]
+    return {}
 
 
 def case_threads_ag_dim1(torch, SimWorld):

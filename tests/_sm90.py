@@ -1,0 +1,74 @@
+"""Compiles a kosmos Triton kernel for sm_90 without a GPU (triton's bundled ptxas) and reads ptxas's report."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from typing import Optional
+
+
+def ptxas_path() -> Optional[str]:
+    """triton's bundled ptxas, or None (a triton without the NVIDIA backend)."""
+    try:
+        import triton.backends.nvidia as nv
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+    return path if os.path.exists(path) else None
+
+
+def compile_sm90(fn, constexprs: dict, pointers: dict, descriptors: Optional[dict] = None, int64=(), floats=(),
+                 num_warps: int = 8, num_stages: int = 3):
+    """triton.compile of `fn` for sm_90: constexprs by name; pointers name -> element type ("bf16", "i32", ...,
+    16-byte aligned as the launchers guarantee); descriptors name -> (dtype, block shape) of a host TMA
+    descriptor; int64 / floats: scalar arguments of those types; every other argument an i32."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+    from triton.runtime.jit import mangle_type
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    descriptors = descriptors or {}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in descriptors:
+            dtype, block = descriptors[name]
+            sig[name] = mangle_type(TensorDescriptor.from_tensor(torch.empty(64, 64, dtype=dtype), list(block)))
+        elif name in pointers:
+            sig[name] = "*" + pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in int64:
+            sig[name] = "i64"
+        elif name in floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    unknown = set(constexprs) - set(fn.arg_names)
+    if unknown:
+        raise ValueError(f"{fn.__name__} has no arguments {sorted(unknown)}")
+    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    return triton_compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=num_warps,
+                                                                                  num_stages=num_stages))
+
+
+def ptxas_report(ptx: str) -> dict:
+    """ptxas -v of the PTX for sm_90a: registers, spill bytes, and the performance advisories (e.g. wgmma
+    serialization, C7510-C7520) as text lines."""
+    with tempfile.TemporaryDirectory() as d:
+        src, out = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([ptxas_path(), "-arch=sm_90a", "-v", src, "-o", out], capture_output=True, text=True,
+                              timeout=600)
+    text = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"ptxas failed:\n{text[-4000:]}")
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return dict(registers=int(regs.group(1)) if regs else None,
+                spill_stores=int(spill.group(1)) if spill else 0, spill_loads=int(spill.group(2)) if spill else 0,
+                advisories=[ln.strip() for ln in text.splitlines() if "Performance Loss" in ln], text=text)

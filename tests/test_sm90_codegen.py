@@ -1,0 +1,98 @@
+"""The fused kernels compiled for sm_90 on the CPU (triton's bundled ptxas): no wgmma serialization, no spills.
+
+ptxas serializes every wgmma of a kernel (each one waited for before the next: a large slowdown that no CPU test
+sees otherwise) when registers run short or the accumulator is read inside the MMA pipeline; it reports it as a
+"Potential Performance Loss" advisory. These tests compile the kernels as their launchers configure them and fail
+on such an advisory, and on spills where the kernel has none today. No GPU involved.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._sm90 import compile_sm90, ptxas_path, ptxas_report
+
+pytestmark = pytest.mark.skipif(ptxas_path() is None, reason="triton without its NVIDIA backend (no ptxas)")
+
+BF = "bf16"
+
+
+def _report(kernel) -> dict:
+    rep = ptxas_report(kernel.asm["ptx"])
+    assert not rep["advisories"], "\n".join(rep["advisories"])
+    return rep
+
+
+def test_gemm_core():
+    from kosmos.kernels import gemm
+
+    cfg = gemm.select_config(8192, 4096, 4096, torch.bfloat16)
+    half = cfg.block_n // 2 if cfg.epilogue_subtile else cfg.block_n
+    k = compile_sm90(gemm.gemm_persistent_kernel,
+                     dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                          A_TRANS=False, B_TRANS=True, HAS_BIAS=True, EPILOGUE_SUBTILE=cfg.epilogue_subtile,
+                          FLATTEN=cfg.flatten, STREAM_K=True, DOT_PRECISION="tf32"),
+                     dict(bias_ptr=BF, ws_ptr="fp32", cnt_ptr="i32"),
+                     dict(a_desc=(torch.bfloat16, (cfg.block_m, cfg.block_k)),
+                          b_desc=(torch.bfloat16, (cfg.block_n, cfg.block_k)),
+                          c_desc=(torch.bfloat16, (cfg.block_m, half))),
+                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    rep = _report(k)
+    assert rep["spill_stores"] == 0, rep["text"]
+
+
+@pytest.mark.parametrize("weights,remap", [(1, False), (3, False), (1, True)], ids=["one_weight", "qkv", "remap"])
+def test_ag_gemm(weights, remap):
+    from kosmos.kernels import ag_gemm
+
+    cfg = ag_gemm.ag_config(1, 8192, [4096] * weights, 4096, torch.bfloat16)
+    k = compile_sm90(ag_gemm.ag_gemm_kernel,
+                     dict(NW=weights, B_TRANS=True, C_ONCE=weights == 1, EPILOGUE_TMA=True, BLOCK_M=cfg.block_m,
+                          BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EPILOGUE_SUBTILE=cfg.epilogue_subtile,
+                          DOT_PRECISION="tf32", COPY_ROWS=ag_gemm.COPY_ROWS, COPY_COLS=ag_gemm.COPY_COLS,
+                          USE_ASM=True, REMAP=remap),
+                     dict(stream_ptr="i32", ws_table="i64", a_ptr=BF, g_ptr=BF, **{f"w{i}": BF for i in range(4)},
+                          **{f"b{i}": BF for i in range(4)}, **{f"o{i}": BF for i in range(4)}),
+                     int64=("err_host", "timeout_ns", "straggle_ns"),
+                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    rep = _report(k)
+    assert rep["spill_stores"] == 0, rep["text"]
+
+
+@pytest.mark.parametrize("pairs", [1, 2])
+def test_gemm_rs(pairs):
+    from kosmos.kernels import gemm_rs
+
+    cfg = gemm_rs.rs_config(8192, 4096, [4096] * pairs, torch.bfloat16, 2)
+    k = compile_sm90(gemm_rs.gemm_rs_kernel,
+                     dict(NP=pairs, B_TRANS=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                          DOT_PRECISION="tf32", RED_N=min(128, cfg.block_n), USE_ASM=True),
+                     dict(stream_ptr="i32", ws_table="i64", **{f"x{i}": BF for i in range(4)},
+                          **{f"w{i}": BF for i in range(4)}, bias_ptr=BF, out_ptr=BF),
+                     int64=("err_host", "timeout_ns", "straggle_ns"), floats=("scale",),
+                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    rep = _report(k)
+    assert rep["spill_stores"] == 0, rep["text"]
+
+
+def test_moe_forward():
+    """The MoE forward kernel as the Qwen3 layers run it (wide tiles, bf16, saved up projection): no wgmma
+    serialization. It does spill (255 registers: the router's [BT, E] tiles); the K loops reload 1-3 values."""
+    import dataclasses
+
+    from kosmos.kernels import moe
+
+    cfg = dataclasses.replace(moe.CONFIGS["default"], **moe.WIDE_FORWARD)
+    consts = moe.routing_constexprs("softmax", True, 1, 1, 1.0, torch.bfloat16, None, None, 8, 128, torch.bfloat16,
+                                    torch.bfloat16)
+    k = compile_sm90(moe.moe_forward_kernel,
+                     dict(**consts, RET_LOGITS=False, BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
+                          BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=True, USE_ASM=True),
+                     dict(ctrl="i32", hidden=BF, rw=BF, rb=BF, cb=BF, logits=BF, ids_ptr="i32", w_ptr="fp32",
+                          rank_ptr="i32", counts="i32", meta="i32", tpe="i32", x_sorted=BF, act=BF, saved_up=BF, y=BF,
+                          out=BF),
+                     dict(x_desc=(torch.bfloat16, (cfg.bm, cfg.bk)), gu_desc=(torch.bfloat16, (cfg.bi, cfg.bk)),
+                          down_desc=(torch.bfloat16, (cfg.bn, cfg.bk2)), act_desc=(torch.bfloat16, (cfg.bm, cfg.bk2))),
+                     int64=("err_host", "timeout_ns"), floats=("rsf", "eps"),
+                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _report(k)

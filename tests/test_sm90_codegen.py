@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._sm90 import compile_sm90, ptxas_path, ptxas_report
+from _sm90 import compile_sm90, ptxas_path, ptxas_report
 
 pytestmark = pytest.mark.skipif(ptxas_path() is None, reason="triton without its NVIDIA backend (no ptxas)")
 

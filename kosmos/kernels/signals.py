@@ -139,23 +139,30 @@ def delay_ns(ns, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _fill_mirror(err_host, ws_row, rank_base, code, op_id, rank, task):
+    """The process's host mirror gets (code, op, rank, task) unless another rank of the process filled it first
+    (a lock word in the workspace of rank `rank_base`); plain stores, code last: host memory takes no atomics, and
+    the host syncs before reading the details."""
+    lock = tl.load(ws_row + rank_base).to(tl.pointer_type(tl.int32)) + CTRL_ERR + 4
+    if tl.atomic_cas(lock, 0, 1, sem="acq_rel", scope="gpu") == 0:
+        tl.store(err_host + 1, op_id)
+        tl.store(err_host + 2, rank)
+        tl.store(err_host + 3, task)
+        tl.debug_barrier()
+        tl.store(err_host, code)
+
+
+@triton.jit
 def record_error(ctrl, err_host, ws_row, rank_base, world, op_id, rank, task):
     """First timeout of this rank wins its error word; the first of this process's ranks also fills the
-    host mirror (plain stores, code last: host memory takes no atomics; the host syncs before reading the
-    details). Every peer's word is set to ERR_ABORTED so its spins stop. ws_row: int64 workspace bases of all
-    ranks as this rank sees them; the mirror's lock lives in the workspace of rank `rank_base`."""
+    host mirror (_fill_mirror). Every peer's word is set to ERR_ABORTED so its spins stop. ws_row: int64
+    workspace bases of all ranks as this rank sees them."""
     old = tl.atomic_cas(ctrl + CTRL_ERR, 0, ERR_TIMEOUT, sem="acq_rel", scope="sys")
     if old == 0:
         tl.store(ctrl + CTRL_ERR + 1, op_id)
         tl.store(ctrl + CTRL_ERR + 2, rank)
         tl.store(ctrl + CTRL_ERR + 3, task)
-        lock = tl.load(ws_row + rank_base).to(tl.pointer_type(tl.int32)) + CTRL_ERR + 4
-        if tl.atomic_cas(lock, 0, 1, sem="acq_rel", scope="gpu") == 0:
-            tl.store(err_host + 1, op_id)
-            tl.store(err_host + 2, rank)
-            tl.store(err_host + 3, task)
-            tl.debug_barrier()
-            tl.store(err_host, ERR_TIMEOUT)
+        _fill_mirror(err_host, ws_row, rank_base, ERR_TIMEOUT, op_id, rank, task)
     for q in range(world):
         if q != rank:
             peer = tl.load(ws_row + q).to(tl.pointer_type(tl.int32))
@@ -171,13 +178,7 @@ def record_status(status, ctrl, err_host, ws_row, rank_base, world, op_id, rank,
         record_error(ctrl, err_host, ws_row, rank_base, world, op_id, rank, task)
     elif tl.atomic_add(ctrl + CTRL_ERR, 0, sem="acquire", scope="sys") == ERR_ABORTED:  # set by a peer, not by
         # another program of this rank (its record_error fills the mirror)
-        lock = tl.load(ws_row + rank_base).to(tl.pointer_type(tl.int32)) + CTRL_ERR + 4
-        if tl.atomic_cas(lock, 0, 1, sem="acq_rel", scope="gpu") == 0:
-            tl.store(err_host + 1, op_id)
-            tl.store(err_host + 2, rank)
-            tl.store(err_host + 3, task)
-            tl.debug_barrier()
-            tl.store(err_host, ERR_ABORTED)
+        _fill_mirror(err_host, ws_row, rank_base, ERR_ABORTED, op_id, rank, task)
 
 
 @triton.jit

@@ -140,3 +140,28 @@ def tiny_hf_model(family: str, *, seed: int = 0, num_key_value_heads: int = 2, t
         raise ValueError(f"unknown family {family!r}")
     torch.manual_seed(seed)
     return cls(cfg)
+
+
+def ep_grad_errors(model, ref) -> dict:
+    """Relative error (fp64 norms) of every gradient of `model` (kosmos.parallelize(expert_parallel=True), maybe
+    compiled: names without the `_orig_mod.` prefix) against the unsharded reference model's: an expert shard
+    (`_kosmos_ep`) against its experts' rows, any other gradient gathered whole; inf where one is missing."""
+    from kosmos.parallel import full_tensor
+
+    def rel(a, b):
+        a, b = a.detach().double(), b.detach().double()
+        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+    ref_params = dict(ref.named_parameters())
+    errs = {}
+    for name, p in model.named_parameters():
+        name = name.removeprefix("_orig_mod.")
+        r = ref_params[name].grad
+        ep = getattr(p, "_kosmos_ep", None)
+        if p.grad is None:
+            errs[name] = float("inf")
+        elif ep is not None:
+            errs[name] = rel(p.grad, r[ep[2]: ep[2] + p.shape[0]])
+        else:
+            errs[name] = rel(full_tensor(p.grad), r)
+    return errs

@@ -311,30 +311,12 @@ def op_suite(rank: int, world: int, cases: list) -> dict:
 # ---------------------------------------------------------------------------------------------------- model
 
 
-def _grad_errors(model, ref) -> dict:
-    from kosmos.parallel import full_tensor
-
-    ref_params = dict(ref.named_parameters())
-    errs = {}
-    for name, p in model.named_parameters():
-        name = name.removeprefix("_orig_mod.")
-        r = ref_params[name].grad
-        ep = getattr(p, "_kosmos_ep", None)
-        if p.grad is None:
-            errs[name] = float("inf")
-        elif ep is not None:
-            errs[name] = rel(p.grad, r[ep[2]: ep[2] + p.shape[0]])
-        else:
-            errs[name] = rel(full_tensor(p.grad), r)
-    return errs
-
-
 def model_suite(rank: int, world: int) -> dict:
     """A tiny HF Qwen3-MoE (fp32, tests/_dist.tiny_hf_model) under kosmos.parallelize(expert_parallel=True) on the
     NCCL group, compiled with backend="kosmos", against the unsharded eager model: loss and every gradient, under
     the default env (fused EP forward) and KOSMOS_FUSED_MOE=1 (fused EP backward too)."""
     import kosmos
-    from _dist import SEQ, VOCAB, tiny_hf_model
+    from _dist import SEQ, VOCAB, ep_grad_errors, tiny_hf_model
     from kosmos.kernels import runtime
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -363,7 +345,7 @@ def model_suite(rank: int, world: int) -> dict:
         report = kosmos.report()
         out[str(env)] = {
             "loss_err": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
-            "grad_errors": _grad_errors(model, ref),
+            "grad_errors": ep_grad_errors(model, ref),
             "runtime": _runtime(),
             "moe_rewrites": [r.line() for r in report.records if r.kind == "moe_layer" and r.rewritten],
             "workspace_uses": {name: sorted(w["uses"]) for name, w in report.workspaces.items()},

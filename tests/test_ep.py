@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import SEQ, VOCAB, run_ranks, tiny_hf_model
+from _dist import SEQ, VOCAB, ep_grad_errors, run_ranks, tiny_hf_model
 
 TOL = 1e-5
 
@@ -265,23 +265,15 @@ def _batch(seq: int = SEQ) -> torch.Tensor:
 
 
 def _grad_errors(model, ref) -> dict:
+    """_dist.ep_grad_errors, plus: every gradient of a DTensor parameter is placed as the parameter, and every
+    reference parameter has its error."""
     from torch.distributed.tensor import DTensor
-    from kosmos.parallel import full_tensor
 
-    ref_params = dict(ref.named_parameters())
-    errs = {}
     for name, p in model.named_parameters():
-        r = ref_params[name].grad
-        ep = getattr(p, "_kosmos_ep", None)
-        if p.grad is None:
-            errs[name] = float("inf")
-        elif ep is not None:
-            errs[name] = _rel(p.grad, r[ep[2] : ep[2] + p.shape[0]])
-        else:
-            if isinstance(p, DTensor):
-                assert p.grad.placements == p.placements, name
-            errs[name] = _rel(full_tensor(p.grad), r)
-    assert set(errs) == set(ref_params)
+        if p.grad is not None and getattr(p, "_kosmos_ep", None) is None and isinstance(p, DTensor):
+            assert p.grad.placements == p.placements, name
+    errs = ep_grad_errors(model, ref)
+    assert set(errs) == set(dict(ref.named_parameters()))
     return errs
 
 

@@ -54,3 +54,23 @@ def heat(fn, seconds: float = 2.0) -> None:
 def rel_err(out, ref) -> float:
     """||out - ref|| / ||ref|| in fp32 (the Frobenius norm over all elements)."""
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def speedup_plot(path: str, labels, curves: dict, baseline: str) -> None:
+    """Two panels, forward and forward+backward, of speed-up curves over `baseline`: curves["fwd" | "fwdbwd"]
+    maps a name to its values, one per label (NaN where missing); a gray line at 1. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, kind in zip(axes, ("fwd", "fwdbwd")):
+        for name, ys in curves[kind].items():
+            ax.plot(labels, ys, marker="o", label=name)
+        ax.axhline(1.0, color="gray", lw=0.5)
+        ax.set_title(f"{kind}: speed-up over {baseline}")
+        ax.tick_params(axis="x", labelsize=6)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -25,7 +25,7 @@ import json
 import torch
 
 from kosmos.kernels.moe_ops import fused_env
-from measure import rel_err
+from measure import rel_err, speedup_plot
 
 LAYERS = {
     "qwen3_30b_a3b": dict(family="qwen3_moe", H=2048, I=768, E=128, k=8),
@@ -173,25 +173,11 @@ def table(results) -> str:
 
 
 def plot(results, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    labels = [f"{r['layer']}\nT={r['T']}" for r in results]
-    for ax, kind in zip(axes, ("fwd", "fwdbwd")):
-        base = [r[f"{kind}_inductor"] for r in results]
-        for name in ("hf_eager", "kosmos_ref", "kosmos_default", "kosmos_fused", "dense"):
-            if f"{kind}_{name}" not in results[0]:
-                continue
-            ax.plot(labels, [b / r[f"{kind}_{name}"] for b, r in zip(base, results)], marker="o", label=name)
-        ax.axhline(1.0, color="gray", lw=0.5)
-        ax.set_title(f"{kind}: speed-up over Inductor")
-        ax.tick_params(axis="x", labelsize=6)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    curves = {kind: {name: [r[f"{kind}_inductor"] / r[f"{kind}_{name}"] for r in results]
+                     for name in ("hf_eager", "kosmos_ref", "kosmos_default", "kosmos_fused", "dense")
+                     if f"{kind}_{name}" in results[0]}
+              for kind in ("fwd", "fwdbwd")}
+    speedup_plot(path, [f"{r['layer']}\nT={r['T']}" for r in results], curves, "Inductor")
 
 
 def main(argv=None) -> int:

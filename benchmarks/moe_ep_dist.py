@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from measure import speedup_plot
 from moe_ep import LAYERS
 
 from kosmos.kernels.moe_ops import fused_env
@@ -335,28 +336,20 @@ def table(rows) -> str:
 
 
 def plot(rows, path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
         print(f"no matplotlib: {path} not written")
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in rows if "error" not in r]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    labels = [f"{r['layer']}\nT={r['T']} W={r['W']}" for r in rows]
-    for ax, kind in zip(axes, ("fwd", "fwdbwd")):
+    curves = {}
+    for kind in ("fwd", "fwdbwd"):
+        curves[kind] = {}
         for name in ("fused", "fused_bwd", "kernel", "reference", "dense"):
             ys = [r.get(f"speedup_{kind}_{name}") for r in rows]
             if any(y is not None for y in ys):
-                ax.plot(labels, [y if y is not None else float("nan") for y in ys], marker="o", label=name)
-        ax.axhline(1.0, color="gray", lw=0.5)
-        ax.set_title(f"{kind}: speed-up over the unfused all_to_all path")
-        ax.tick_params(axis="x", labelsize=6)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+                curves[kind][name] = [y if y is not None else float("nan") for y in ys]
+    speedup_plot(path, [f"{r['layer']}\nT={r['T']} W={r['W']}" for r in rows], curves, "the unfused all_to_all path")
 
 
 def main(argv=None) -> int:

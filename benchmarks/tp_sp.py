@@ -76,7 +76,7 @@ def queue_mode(args) -> list[dict]:
                 ms[k].append(bench_graph(fn))
         med = {k: statistics.median(v) for k, v in ms.items()}
         out = []
-        for (op, W), (_, _) in fused.items():
+        for op, W in fused:
             t = med[(op, W)]
             out.append(dict(op=op, M=M, K=K, N=N, W=W, cublas_ms=med["cublas"], core_ms=med["core"],
                             core_nested_ms=med["nested"], fused_ms=t, fused_ms_rounds=ms[(op, W)],

@@ -57,7 +57,7 @@ def main():
                    help="comma-separated candidates for --sweep: 'table' (select_config), a CONFIGS name "
                         "(stream-K tail when plan_gemm says so), NAME+sk (stream-K forced), NAME+nosk (never)")
     p.add_argument("--ms", default=",".join(map(str, MS)))
-    p.add_argument("--only", default="", help="substring filter on shape labels")
+    p.add_argument("--only", default="", help="comma-separated substrings: shapes whose label has one of them")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--layout", default="weight", choices=["weight", "kn"],
                    help="B as w.t() of a [N, K] weight (default) or a row-major [K, N] tensor")
@@ -90,7 +90,7 @@ def main():
     t_start = time.time()
     for M in map(int, args.ms.split(",")):
         for label, N, K in projection_shapes():
-            if args.only and args.only not in label:
+            if args.only and not any(part in label for part in args.only.split(",")):
                 continue
             a = torch.randn(M, K, device="cuda", dtype=dtype, generator=gen)
             if args.layout == "weight":

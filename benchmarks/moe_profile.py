@@ -1,0 +1,99 @@
+"""Where the time of one MoE layer step goes: GPU kernel times (torch.profiler) per variant of benchmarks/moe.py.
+
+    PYTHONPATH=. python3 benchmarks/moe_profile.py --only qwen3_235b --ts 16384 --json prof.json
+    PYTHONPATH=. python3 benchmarks/moe_profile.py --tiny      # CPU smoke run of the script (no CUDA kernels)
+
+For each layer, T and variant (Inductor, kosmos with the op's reference impls, kosmos default), and each of
+forward / forward+backward: a few warm-up steps, then --steps profiled steps; every GPU kernel's total device
+time divided by the steps, largest first (--top of them), with the sum over all kernels. Kernel times under the
+profiler are device times of the kernels themselves: gaps between kernels (launch cost, host sync) are not in
+the sum, so the sum can be below the layer's time in benchmarks/moe.py.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+
+import torch
+
+from kosmos.kernels.moe_ops import fused_env
+from moe import LAYERS, build_block, variants
+
+VARIANTS = {"inductor": None, "kosmos_ref": "0", "kosmos_default": None}
+
+
+def kernel_times(step, steps: int, device: str) -> dict:
+    """name -> device ms per step of every GPU kernel run by `steps` calls of step()."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    acts = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    totals = collections.Counter()
+    for ev in prof.events():
+        if device == "cuda" and ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = ev.device_time if device == "cuda" else ev.cpu_time
+        totals[ev.name] += us / 1000.0 / steps
+    return dict(totals)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help="substring filter on layer names")
+    p.add_argument("--ts", default="16384")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--json", default="")
+    p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, fp32: checks the script runs")
+    args = p.parse_args(argv)
+    device = "cpu" if args.tiny else "cuda"
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    out = []
+    for layer in LAYERS:
+        if args.only and args.only not in layer:
+            continue
+        for T in map(int, args.ts.split(",")):
+            block, d = build_block(layer, device, dtype, args.tiny)
+            T = min(T, 64) if args.tiny else T
+            x = torch.randn(1, T, d["H"], device=device, dtype=dtype, requires_grad=True)
+            g = torch.randn_like(x)
+            params = [x] + list(block.parameters())
+            fns = variants(block)
+            for name in args.variants.split(","):
+                f = fns["inductor" if name == "inductor" else "kosmos"]
+                env = fused_env(VARIANTS[name]) if name.startswith("kosmos") else contextlib.nullcontext()
+                with env:
+                    def fwd(f=f):
+                        with torch.no_grad():
+                            f(x)
+
+                    def fwdbwd(f=f):
+                        torch.autograd.grad(f(x), params, g, allow_unused=True)
+
+                    for kind, step in (("fwd", fwd), ("fwdbwd", fwdbwd)):
+                        times = kernel_times(step, args.steps, device)
+                        total = sum(times.values())
+                        out.append(dict(layer=layer, T=T, variant=name, kind=kind, total_ms=total, kernels=times))
+                        print(f"\n## {layer} T={T} {name} {kind}: kernels sum {total:.3f} ms/step", flush=True)
+                        for k, ms in sorted(times.items(), key=lambda kv: -kv[1])[:args.top]:
+                            print(f"{ms:9.3f} ms {100 * ms / max(total, 1e-9):5.1f}%  {k[:110]}", flush=True)
+            del fns, block
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

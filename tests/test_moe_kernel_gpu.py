@@ -81,6 +81,23 @@ def test_deepseek_v3_router(dtype):
                   router_dtype=torch.float32)
 
 
+def test_fp32_router_on_bf16_hidden_is_fp32_accurate():
+    """DeepSeek-V3's fp32 router on bf16 hidden states runs tf32x3 (router_precision): its logits are as close to
+    the fp64 product as cuBLAS's exact fp32 GEMM's (torch.backends.cuda.matmul.allow_tf32 off)."""
+    from kosmos.kernels.moe import moe_forward, router_precision
+
+    assert not torch.backends.cuda.matmul.allow_tf32
+    assert router_precision(torch.float32, torch.bfloat16) == "tf32x3"
+    h, _, gu, d = make(256, 7168, 64, 256, torch.bfloat16, seed=12)
+    rw = torch.randn(256, 7168, device="cuda", generator=torch.Generator(device="cuda").manual_seed(13)) / 7168 ** 0.5
+    _, logits, _ = moe_forward(h, rw, None, None, gu, d, 8, "sigmoid", True, 8, 4, routed_scaling_factor=2.5,
+                               router_dtype=torch.float32, return_router_logits=True)
+    exact = h.double() @ rw.double().T
+    cublas = h.float() @ rw.T
+    err_kernel, err_cublas = rel_err(logits, exact), rel_err(cublas, exact)
+    assert err_kernel <= max(4 * err_cublas, 1e-7), (err_kernel, err_cublas)
+
+
 def test_sigmoid_bf16_router_no_renorm():
     h, rw, gu, d = make(300, 256, 128, 16, torch.bfloat16, seed=10)
     run_and_check(h, rw, gu, d, 2, scoring="sigmoid", norm=False, router_bias=torch.linspace(

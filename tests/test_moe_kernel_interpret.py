@@ -23,7 +23,7 @@ CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renor
          "all_on_one_expert", "many_blocks_per_expert", "mixed_hidden_fp32_weights_fp16", "top2_one_token",
          "counters_zeroed_and_error_word", "deepseek_v3_router_fp32", "sigmoid_fp16_plain",
          "softmax_grouped_corrected_fp16", "saved_up_fp16_ragged_two_i_chunks", "saved_up_empty_experts",
-         "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token"]
+         "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token", "trace_rows"]
 
 
 # ----------------------------------------------------------------------------------------------- cases (subprocess)
@@ -286,6 +286,26 @@ def case_saved_up_one_token(torch):
     return _check(torch, h, rw, gu, d, 2, tol=2e-3, save_up=True, up_tol=1e-3)
 
 
+def case_trace_rows(torch):
+    # the profiling hook: one row per task (the interpreter has no %globaltimer: times read 0), same bits as without
+    from kosmos.kernels.moe import moe_forward, num_tasks, select_config
+
+    h, rw, gu, d = _inputs(torch, 37, 64, 32, 4, torch.float16, 13)
+    n = num_tasks(37, 64, 32, 4, 2, select_config(h, gu))
+    trace = torch.full((n, 4), -1, dtype=torch.int64)
+    plain = moe_forward(h, rw, None, None, gu, d, 2)
+    traced = moe_forward(h, rw, None, None, gu, d, 2, trace=trace)
+    assert all(_same_bits(torch, a, b) for a, b in zip(plain, traced)), "the trace changed the results"
+    assert torch.equal(trace[:, 3], torch.zeros(n, dtype=torch.int64)), trace[:, 3]  # one program ran every task
+    assert (trace[:, :3] == 0).all(), trace[:, :3]
+    try:
+        moe_forward(h, rw, None, None, gu, d, 2, trace=trace[1:])
+        raise AssertionError("a trace of the wrong shape was accepted")
+    except ValueError as e:
+        assert "trace must be int64" in str(e), e
+    return {"tasks": n}
+
+
 def _main():
     _interp.run_cases(CASES, globals(), torch)
 
@@ -332,6 +352,22 @@ def test_default_leaves_fp32_router_to_reference(monkeypatch):
     assert moe_ops._default_forward_reason(h16.float(), torch.float32) is None
     monkeypatch.setenv("KOSMOS_FUSED_MOE", "forward")
     assert moe_ops._default_forward_reason(h16, torch.float32) is None
+
+
+def test_router_precision_follows_allow_tf32():
+    from kosmos.kernels.moe import router_precision
+
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert router_precision(torch.float32, torch.bfloat16) == "tf32x3"  # hidden exact in TF32
+        assert router_precision(torch.float32, torch.float16) == "tf32x3"
+        assert router_precision(torch.float32, torch.float32) == "ieee"
+        assert router_precision(torch.float32, None) == "ieee"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert router_precision(torch.float32, torch.bfloat16) == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def test_kernel_reasons():

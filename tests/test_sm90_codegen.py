@@ -87,10 +87,11 @@ def test_moe_forward():
                                     torch.bfloat16)
     k = compile_sm90(moe.moe_forward_kernel,
                      dict(**consts, RET_LOGITS=False, BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
-                          BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=True, USE_ASM=True),
+                          BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=True, USE_ASM=True,
+                          TRACE=False),
                      dict(ctrl="i32", hidden=BF, rw=BF, rb=BF, cb=BF, logits=BF, ids_ptr="i32", w_ptr="fp32",
                           rank_ptr="i32", counts="i32", meta="i32", tpe="i32", x_sorted=BF, act=BF, saved_up=BF, y=BF,
-                          out=BF),
+                          out=BF, trace="i64"),
                      dict(x_desc=(torch.bfloat16, (cfg.bm, cfg.bk)), gu_desc=(torch.bfloat16, (cfg.bi, cfg.bk)),
                           down_desc=(torch.bfloat16, (cfg.bn, cfg.bk2)), act_desc=(torch.bfloat16, (cfg.bm, cfg.bk2))),
                      int64=("err_host", "timeout_ns"), floats=("rsf", "eps"),

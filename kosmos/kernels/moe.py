@@ -11,31 +11,39 @@ program has already claimed):
 
     [ROUTE x n_tiles] [SCAN] [SCATTER x n_tiles] [UP x max_blocks*n_iblk] [DOWN x max_blocks*n_hblk] [FOLD x n_tiles]
 
+Each kind waits for EVERY task of the kind before it (one phase counter per kind: routed, scanned, scattered,
+upped, downed). A program checks a phase counter once, before its first task of the next kind (its later tasks of
+that kind skip the wait), and adds its finished tasks to a counter in one release add when it claims a task of
+another kind or runs out of tasks (so it never waits holding unpublished work). Measured on the H200 (benchmarks/
+moe_trace.py, RESULTS.md eighth session): with a wait and a release per task (DOWN waited for its block's UP tiles
+only), the waits took 4-7% of the SM-time of the UP and DOWN phases (about 1.5 us a task), more than the phase
+barrier costs at the UP -> DOWN transition (SMs done early idle for part of an UP tile).
+
 - ROUTE(tile of BT tokens): router GEMM (tl.dot over H, logits rounded to router_dtype, + router_bias), softmax
   in fp32 or sigmoid, selection values (+ correction bias, group mask), top-k by repeated max (lowest expert id
   wins a tie), renorm / scaling, weights rounded to the logits dtype; stores ids, weights and each pair's rank
   among the tile's pairs of the same expert (token order), and the tile's per-expert pair counts as one row of the
   count matrix [n_tiles, E] (computed in registers from
-  the selection mask, plain stores: no atomics, nothing to zero). Then routed += 1 (release).
+  the selection mask, plain stores: no atomics, nothing to zero).
 - SCAN (one task): waits routed == n_tiles; per-expert totals (tokens_per_expert), the expert-major start of
   each expert's rows, each expert's first row block, and, overwriting the count matrix in place, the base row
   of every (tile, expert): expert_start[e] + pairs of e in earlier tiles. So pair (t, j) with expert e of tile
   i has the FIXED row base[i, e] + rank(t, j) in the expert-sorted order (experts ascending, tokens ascending
-  inside an expert) whatever the grid and timing. scanned = 1.
+  inside an expert) whatever the grid and timing.
 - SCATTER(tile): waits scanned; copies each pair's token row, cast to gate_up_proj's dtype W, to its sorted row
   of x_sorted [T*k, H] (so an expert's rows are contiguous: the UP tiles read them through TMA); with save_up also
   zeroes the pad rows of saved_up of the experts e = tile (mod n_tiles) (every expert's, empty ones included).
-  scattered += 1 (its proxy fence publishes x_sorted to the TMA reads).
+  (The publishing add's proxy fence makes x_sorted visible to the TMA reads.)
 - UP(block b, I-chunk ib): waits scattered == n_tiles; block b is the b-th BM-row block of the expert-sorted rows
   (blocks never straddle experts: expert e owns ceil(count_e / BM) blocks); blocks past the real number exit.
   Gate and up GEMMs of x_sorted rows row0 .. row0+BM-1 against gate_up_proj[e] (TMA descriptors over x_sorted and
   gate_up_proj viewed [E*2I, H]; rows from the expert's end on belong to the next expert or read as zeros past
   T*k, and are never stored), SwiGLU with the reference's roundings (gate/up rounded to W, silu rounded, product
   rounded, cast to down_proj's dtype), masked store into act [T*k, I] (sorted rows); with save_up, gate / up
-  rounded to W into saved_up row (sorted row + e + 1). up_done[b] += 1.
-- DOWN(block b, H-chunk nb): waits up_done[b] == n_iblk; y rows = act rows @ down_proj[e].T (the GEMM core's
+  rounded to W into saved_up row (sorted row + e + 1).
+- DOWN(block b, H-chunk nb): waits upped == max_blocks*n_iblk; y rows = act rows @ down_proj[e].T (the GEMM core's
   gemm_tile: TMA descriptors over act [T*k, I] and down_proj viewed [E*H, I], fp32 accumulation over I), cast to
-  down_proj's dtype, masked store into y [T*k, H]. downed += 1 (also for blocks past the real number).
+  down_proj's dtype, masked store into y [T*k, H]. (Tasks of blocks past the real number count as done too.)
 - FOLD(tile): waits downed == max_blocks*n_hblk; out[t] = sum over j = 0..k-1 IN ORDER of
   (y[row(t, j)] * w[t, j]) rounded to promote(down dtype, logits dtype), summed in fp32, rounded to that dtype,
   cast to hidden's dtype.
@@ -48,10 +56,10 @@ Determinism: rows are placed by the scan, never by an atomic; every output eleme
 task with a fixed reduction order (K loops in order, the fold in j order). Which program runs a task does not
 change any arithmetic, so two runs are bit-identical whatever the number of programs.
 
-Counters and CUDA graphs: the claim counter, the phase counters (routed, scanned, scattered, downed), the
-per-block up_done counters and an error word live in one per-device int32 control tensor (`_Control`), zeroed
-when it is allocated. We chose "zero at the end of the launch by the last program" over epochs: the per-block
-counters' targets (n_iblk) change with the shape, which would break epoch arithmetic on a shared workspace.
+Counters and CUDA graphs: the claim counter, the phase counters (routed, scanned, scattered, upped, downed) and
+an error word live in one per-device int32 control tensor (`_Control`), zeroed when it is allocated. We chose
+"zero at the end of the launch by the last program" over epochs: the counters' targets change with the shape,
+which would break epoch arithmetic on a shared workspace.
 Every program counts itself out (acq_rel atomic) after its last access; the one that arrives last zeroes all
 counters, so the next launch on the stream (or the next replay of a captured graph) starts from zero, with no
 reset kernel and no per-call host scalar. The control tensor only grows (a new, zeroed tensor) outside graph
@@ -84,7 +92,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kosmos.kernels import runtime
 from kosmos.kernels.gemm import gemm_tile, input_precision
 from kosmos.kernels.moe_route import pair_rows, pick, route_tile, scan_counts
-from kosmos.kernels.signals import ERR_TIMEOUT, proxy_fence, wait_flag
+from kosmos.kernels.signals import ERR_TIMEOUT, now_ns, proxy_fence, wait_flag
 
 OP_ID = tl.constexpr(3)  # runtime.OP_IDS gets "moe_layer": 3
 
@@ -95,8 +103,8 @@ C_ROUTED = tl.constexpr(2)
 C_SCANNED = tl.constexpr(3)
 C_SCATTERED = tl.constexpr(4)
 C_DOWNED = tl.constexpr(5)
+C_UPPED = tl.constexpr(6)
 C_ERR = tl.constexpr(8)  # code, op, task
-C_UP = tl.constexpr(16)  # up_done[max_blocks]
 CTRL_HEAD = 16
 
 
@@ -105,11 +113,39 @@ CTRL_HEAD = 16
 
 
 @triton.jit
-def _signal(ptr, USE_ASM: tl.constexpr):
-    """Publishes this program's prior writes (generic and, for TMA readers, async proxy): += 1, release."""
+def _publish(ptr, count, USE_ASM: tl.constexpr):
+    """Adds `count` finished tasks to a phase counter, publishing this program's prior writes (generic and, for
+    TMA readers, async proxy): one release add."""
     proxy_fence(USE_ASM)
     tl.debug_barrier()
-    tl.atomic_add(ptr, 1, sem="release", scope="gpu")
+    tl.atomic_add(ptr, count, sem="release", scope="gpu")
+
+
+@triton.jit
+def _signal(ptr, USE_ASM: tl.constexpr):
+    """_publish of one task."""
+    _publish(ptr, 1, USE_ASM)
+
+
+@triton.jit
+def _task_kind(t, scan_task, scatter0, up0, down0, fold0):
+    """0 ROUTE, 1 SCAN, 2 SCATTER, 3 UP, 4 DOWN, 5 FOLD."""
+    return ((t >= scan_task).to(tl.int32) + (t >= scatter0).to(tl.int32) + (t >= up0).to(tl.int32)
+            + (t >= down0).to(tl.int32) + (t >= fold0).to(tl.int32))
+
+
+@triton.jit
+def _phase_counter(kind):
+    """The control word counting finished tasks of `kind` (ROUTE .. DOWN)."""
+    return tl.where(kind == 0, C_ROUTED, tl.where(kind == 1, C_SCANNED, tl.where(kind == 2, C_SCATTERED,
+                                                                                  tl.where(kind == 3, C_UPPED,
+                                                                                           C_DOWNED))))
+
+
+@triton.jit
+def _phase_tasks(kind, n_tiles, n_up, n_down):
+    """How many tasks of `kind` (ROUTE .. DOWN) the stream has."""
+    return tl.where((kind == 0) | (kind == 2), n_tiles, tl.where(kind == 1, 1, tl.where(kind == 3, n_up, n_down)))
 
 
 @triton.jit
@@ -260,7 +296,7 @@ def _fold_tile(tile, ids_ptr, rank_ptr, w_ptr, base, y, out, o_ld, T, H, E,
 def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        hidden, h_ld, rw, rw_ld, rb, cb, x_desc, gu_desc, down_desc, act_desc,
                        logits, ids_ptr, w_ptr, rank_ptr, counts, meta, tpe, x_sorted, act, saved_up, y, out, o_ld,
-                       T, H, I, E, rsf, eps, n_tiles, max_blocks,
+                       trace, T, H, I, E, rsf, eps, n_tiles, max_blocks,
                        SIGMOID: tl.constexpr, HAS_CB: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                        SD_ROUND: tl.constexpr, CD_ROUND: tl.constexpr,
                        HAS_RB: tl.constexpr, RET_LOGITS: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr,
@@ -268,7 +304,8 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        BKR: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr,
                        BN: tl.constexpr, BK2: tl.constexpr, BH: tl.constexpr, SCAN_T: tl.constexpr,
                        PD_F32: tl.constexpr, ROUTER_PRECISION: tl.constexpr, UP_PRECISION: tl.constexpr,
-                       DOWN_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, USE_ASM: tl.constexpr):
+                       DOWN_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, USE_ASM: tl.constexpr,
+                       TRACE: tl.constexpr = False):
     err_host = err_host.to(tl.pointer_type(tl.int32))  # host-mapped (pinned) mirror
     err = ctrl + C_ERR
     n_iblk = tl.cdiv(I, BI)
@@ -280,58 +317,68 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
     fold0 = down0 + max_blocks * n_hblk
     n_tasks = fold0 + n_tiles
     status = 0
+    pend = 0  # this program's finished tasks of kind pend_kind not yet added to that kind's counter
+    pend_kind = 0
+    ready = 0  # the last kind whose inputs this program has seen complete (a wait per program and phase)
     t = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
     while (t < n_tasks) & (status == 0):
-        if t < scan_task:  # ---- ROUTE
-            route_tile(t, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, H, E, rsf,
-                       eps, HAS_RB, RET_LOGITS, NORM, SCALED, SIGMOID, HAS_CB, N_GROUP, TOPK_GROUP, SD_ROUND,
-                       CD_ROUND, TOP_K, KP, BT, BLOCK_E, BKR, ROUTER_PRECISION)
-            _signal(ctrl + C_ROUTED, USE_ASM)
-        elif t == scan_task:  # ---- SCAN
-            status = wait_flag(ctrl + C_ROUTED, n_tiles, err, timeout_ns, "gpu", USE_ASM)
-            if status == 0:
+        kind = _task_kind(t, scan_task, scatter0, up0, down0, fold0)
+        if (pend > 0) & (kind != pend_kind):
+            _publish(ctrl + _phase_counter(pend_kind), pend, USE_ASM)
+            pend = 0
+        if TRACE:  # claimed at t0, its wait over at t1 (t0 for tasks that do not wait), done at t2
+            t0 = now_ns(USE_ASM)
+        if kind > ready:  # inputs: every task of the kind before (which waited for the kinds before it)
+            status = wait_flag(ctrl + _phase_counter(kind - 1),
+                               _phase_tasks(kind - 1, n_tiles, max_blocks * n_iblk, max_blocks * n_hblk),
+                               err, timeout_ns, "gpu", USE_ASM)
+            ready = kind
+        if TRACE:
+            t1 = now_ns(USE_ASM)
+        if status == 0:
+            if kind == 0:  # ---- ROUTE
+                route_tile(t, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, H, E,
+                           rsf, eps, HAS_RB, RET_LOGITS, NORM, SCALED, SIGMOID, HAS_CB, N_GROUP, TOPK_GROUP, SD_ROUND,
+                           CD_ROUND, TOP_K, KP, BT, BLOCK_E, BKR, ROUTER_PRECISION)
+            elif kind == 1:  # ---- SCAN
                 scan_counts(counts, meta, tpe, n_tiles, E, BM, BLOCK_E, SCAN_T)
-                _signal(ctrl + C_SCANNED, USE_ASM)
-        elif t < up0:  # ---- SCATTER
-            status = wait_flag(ctrl + C_SCANNED, 1, err, timeout_ns, "gpu", USE_ASM)
-            if status == 0:
+            elif kind == 2:  # ---- SCATTER
                 _scatter_tile(t - scatter0, n_tiles, ids_ptr, rank_ptr, counts, meta, hidden, h_ld, x_sorted,
                               saved_up, T, H, I, E, TOP_K, KP, BT, BH, SAVE_UP)
-                _signal(ctrl + C_SCATTERED, USE_ASM)  # its proxy fence: x_sorted is read by TMA
-        elif t < down0:  # ---- UP
-            status = wait_flag(ctrl + C_SCATTERED, n_tiles, err, timeout_ns, "gpu", USE_ASM)
-            if status == 0:
+            elif kind == 3:  # ---- UP
                 u = t - up0
                 b = u // n_iblk
                 _up_tile(b, u - b * n_iblk, meta, x_desc, gu_desc, act, saved_up, H, I, E,
                          BM, BI, BK, BLOCK_E, UP_PRECISION, SAVE_UP)
-                _signal(ctrl + C_UP + b, USE_ASM)
-        elif t < fold0:  # ---- DOWN
-            d = t - down0
-            b = d // n_hblk
-            status = wait_flag(ctrl + C_UP + b, n_iblk, err, timeout_ns, "gpu", USE_ASM)
-            if status == 0:
+            elif kind == 4:  # ---- DOWN
+                d = t - down0
+                b = d // n_hblk
                 _down_tile(b, d - b * n_hblk, meta, act_desc, down_desc, y, H, I, E, BM, BN, BK2, BLOCK_E,
                            DOWN_PRECISION)
-                _signal(ctrl + C_DOWNED, USE_ASM)
-        else:  # ---- FOLD
-            status = wait_flag(ctrl + C_DOWNED, max_blocks * n_hblk, err, timeout_ns, "gpu", USE_ASM)
-            if status == 0:
+            else:  # ---- FOLD
                 _fold_tile(t - fold0, ids_ptr, rank_ptr, w_ptr, counts, y, out, o_ld, T, H, E,
                            TOP_K, KP, BT, BH, PD_F32)
+            pend_kind = kind
+            pend += 1
+        if TRACE:
+            tl.debug_barrier()
+            trace_row = trace + t.to(tl.int64) * 4
+            tl.store(trace_row, t0)
+            tl.store(trace_row + 1, t1)
+            tl.store(trace_row + 2, now_ns(USE_ASM))
+            tl.store(trace_row + 3, tl.program_id(0).to(tl.int64))
         if status == ERR_TIMEOUT:
             _record_error(ctrl, err_host, t)
         if status == 0:
             t = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
+    if (status == 0) & (pend > 0) & (pend_kind < 5):  # FOLD tasks feed nothing
+        _publish(ctrl + _phase_counter(pend_kind), pend, USE_ASM)
     # count out; the last program zeroes every counter for the next launch (graph replays included)
     tl.debug_barrier()
     old = tl.atomic_add(ctrl + C_DONE, 1, sem="acq_rel", scope="gpu")
     if old == tl.num_programs(0) - 1:
         z = tl.arange(0, 8)
         tl.store(ctrl + z, tl.zeros((8,), dtype=tl.int32))
-        for b0 in range(0, max_blocks, 128):
-            bs = b0 + tl.arange(0, 128)
-            tl.store(ctrl + C_UP + bs, tl.zeros((128,), dtype=tl.int32), mask=bs < max_blocks)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -467,7 +514,8 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
                 top_k: int, scoring: str = "softmax", norm_topk_prob: bool = True, n_group: int = 1,
                 topk_group: int = 1, routed_scaling_factor: float = 1.0, router_dtype: Optional[torch.dtype] = None,
                 activation: str = "silu", return_router_logits: bool = False, *, programs: Optional[int] = None,
-                config: Optional[MoeConfig] = None, return_routing: bool = False, save_up: bool = False):
+                config: Optional[MoeConfig] = None, return_routing: bool = False, save_up: bool = False,
+                trace: Optional[torch.Tensor] = None):
     """kosmos::moe_layer's forward (ep_group_name None) in one launch -> (out [T, H], router_logits [T, E] or
     [0, E], tokens_per_expert [E] int32) (+ (saved_up,) with save_up) (+ (topk_ids [T, k] int32, topk_weights
     [T, k] fp32 of the logits-dtype values) with return_routing). Raises ValueError for what the kernel does not
@@ -477,7 +525,10 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
     saved_up [T*k + E, 2I] in gate_up_proj's dtype: the up projection [gate | up] of every pair, rounded to that
     dtype (what the backward reads instead of recomputing it), in the reference's padded expert-major layout
     (kosmos.ops.moe._SortedPairs): expert e's group is rows [start_e + e, start_e + e + 1 + count_e), an all-zero
-    pad row, then e's pairs in ascending token order (start_e: pairs of the experts before e)."""
+    pad row, then e's pairs in ascending token order (start_e: pairs of the experts before e).
+
+    trace (a profiling hook, benchmarks/moe_trace.py): int64 [num_tasks(...), 4] on the device; every task's row
+    gets (claimed, wait over, done) in %globaltimer ns and the program that ran it (a separate kernel build)."""
     from kosmos.kernels.moe_ops import kernel_reason
 
     reason = kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
@@ -485,7 +536,8 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
     if reason is not None:
         raise ValueError(f"kosmos moe_forward: {reason}")
     args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
-            norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits, programs)
+            norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits, programs,
+            trace)
     candidates = [config] if config is not None else forward_configs(hidden, gate_up_proj)
     for i, cfg in enumerate(candidates):
         try:
@@ -498,7 +550,7 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
 
 def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
                  norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits,
-                 programs, cfg, return_routing, save_up):
+                 programs, trace, cfg, return_routing, save_up):
     device = hidden.device
     T, H = hidden.shape
     E, two_i, _ = gate_up_proj.shape
@@ -507,9 +559,12 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
     n_tiles = triton.cdiv(T, cfg.bt)
     mb = max_blocks(T * top_k, E, cfg.bm)
     n_tasks = num_tasks(T, H, I, E, top_k, cfg)
+    if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (n_tasks, 4)
+                              or trace.device != device):
+        raise ValueError(f"kosmos moe_forward: trace must be int64 [{n_tasks}, 4] on {device}")
     ctl = control(device)
     ctl.check()
-    ctl.ensure(mb)
+    ctl.ensure(0)
     pairs = T * top_k
     i32 = dict(dtype=torch.int32, device=device)
     logits = torch.empty(T if return_router_logits else 0, E, dtype=rd, device=device)
@@ -540,13 +595,13 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
             router_bias if router_bias is not None else router_weight,
             score_correction_bias if score_correction_bias is not None else router_weight, x_desc, gu_desc, down_desc,
             act_desc, logits_arg, ids, wts, ranks, counts, meta, tpe, x_sorted, act, saved_up, y, out, out.stride(0),
-            T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles, mb)
+            trace if trace is not None else ids, T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles, mb)
     meta_kw = dict(**routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd,
                                         router_bias, score_correction_bias, top_k, E, gate_up_proj.dtype,
-                                        down_proj.dtype),
+                                        down_proj.dtype, hidden.dtype),
                    RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
                    BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=bool(save_up), USE_ASM=not interp,
-                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                   TRACE=trace is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P,)
     runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,
                                                  tuple(sorted((k, str(v)) for k, v in meta_kw.items()))),
@@ -567,12 +622,25 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if p == "ieee" else "tf32"
 
 
+def router_precision(rd: torch.dtype, hidden_dtype: Optional[torch.dtype]) -> str:
+    """The router GEMM's tl.dot precision. An fp32 router on 16-bit hidden states without allow_tf32 (DeepSeek-V3's)
+    runs "tf32x3" on the tensor cores, not exact fp32 FMA (10 TF/s there: 6.2 of the DeepSeek-V3 layer's 28.5 ms on
+    the H200, benchmarks/moe_trace.py): the hidden value is exact in TF32 (its low part is zero) and the weight's
+    two TF32 parts leave at most 2**-24 of it, so every product is within fp32's own rounding and the sums are fp32,
+    as in the exact dot (whose summation order differs from cuBLAS's anyway)."""
+    p = _precision(rd)
+    if p == "ieee" and hidden_dtype in (torch.bfloat16, torch.float16):
+        return "tf32x3"
+    return p
+
+
 def routing_constexprs(scoring: str, norm_topk_prob: bool, n_group: int, topk_group: int,
                        routed_scaling_factor: float, rd: torch.dtype, router_bias, score_correction_bias, top_k: int,
-                       num_experts: int, gate_up_dtype: torch.dtype, down_dtype: torch.dtype) -> dict:
+                       num_experts: int, gate_up_dtype: torch.dtype, down_dtype: torch.dtype,
+                       hidden_dtype: Optional[torch.dtype] = None) -> dict:
     """The constexprs every MoE kernel (forward / backward, with or without EP) derives from the router's
     arguments and the dtypes: scoring, selection, roundings (the reference's rules), tile widths of k and E, dot
-    precisions."""
+    precisions (router_precision)."""
     sigmoid = scoring == "sigmoid"
     score_dtype = torch.float32 if not sigmoid else rd
     choice_dtype = score_dtype if score_correction_bias is None else torch.promote_types(score_dtype,
@@ -583,5 +651,5 @@ def routing_constexprs(scoring: str, norm_topk_prob: bool, n_group: int, topk_gr
                 SCALED=sigmoid or routed_scaling_factor != 1.0,  # the reference's rule
                 TOP_K=top_k, KP=max(2, _next_pow2(top_k)), BLOCK_E=max(16, _next_pow2(num_experts)),
                 PD_F32=torch.promote_types(down_dtype, rd) == torch.float32,
-                ROUTER_PRECISION=_precision(rd), UP_PRECISION=_precision(gate_up_dtype),
+                ROUTER_PRECISION=router_precision(rd, hidden_dtype), UP_PRECISION=_precision(gate_up_dtype),
                 DOWN_PRECISION=_precision(down_dtype))

@@ -685,7 +685,7 @@ def moe_backward(grad_out: torch.Tensor, grad_router_logits: Optional[torch.Tens
             d_hidden, d_hidden.stride(0), d_rw, d_rb if d_rb is not None else d_rw, d_gu, d_down,
             T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles, mb)
     meta_kw = dict(**routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd,
-                                        router_bias, score_correction_bias, top_k, E, W, D),
+                                        router_bias, score_correction_bias, top_k, E, W, D, hidden.dtype),
                    HAS_GLOG=grad_router_logits is not None, W_ROUND=W != torch.float32, **backward_tiles(cfg),
                    USE_ASM=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P,)

@@ -501,7 +501,7 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
             runtime.FLAGS_OFF_WORDS, data_off, data_off + lay.recv, data_off + lay.combine)
     meta_kw = dict(**routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd,
                                         router_bias, score_correction_bias, top_k, E, gate_up_proj.dtype,
-                                        down_proj.dtype),
+                                        down_proj.dtype, hidden.dtype),
                    RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
                    BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, USE_ASM=not interp,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -441,7 +441,7 @@ def moe_ep_backward(ws: runtime.Workspace, rank_base: int, grad_out: torch.Tenso
             T, H, I, E, E_loc, float(routed_scaling_factor), 1e-20, n_tiles, mbo, src_rows, runtime.FLAGS_OFF_WORDS,
             off, off + lay.recv, off + lay.recv_g, off + lay.recv_w, off + lay.comb_x, off + lay.comb_dw)
     meta_kw = dict(**routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd,
-                                        router_bias, score_correction_bias, top_k, E, WT, D),
+                                        router_bias, score_correction_bias, top_k, E, WT, D, hidden.dtype),
                    HAS_GLOG=grad_router_logits is not None, W_ROUND=WT != torch.float32, **backward_tiles(cfg),
                    USE_ASM=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P, n_local)

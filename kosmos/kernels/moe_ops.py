@@ -6,9 +6,10 @@ Env KOSMOS_FUSED_MOE (read at each call) picks the directions that run fused: un
 except for an fp32 router on 16-bit hidden states), "forward", "1" both, "0" neither. Both kernels pass their GPU
 tests on an H200. On the benchmark cells (benchmarks/RESULTS.md, fifth session, T=16384) the fused backward is
 about 8x slower than the op's reference impl (grouped matmuls on the saved up projection), so it is opt-in; the fused
-forward is faster than the reference on Qwen3-30B-A3B (2.89 vs 3.36 ms) and Qwen3-235B (9.99 vs 10.13), slower
-on DeepSeek-V3 (30.75 vs 28.26; fwd+bwd 96.5 vs 86.0), whose fp32 router the kernel computes exactly on CUDA
-cores: so by default an fp32 router on 16-bit hidden states takes the reference (FP32_ROUTER_REASON).
+forward is faster than the reference on Qwen3-30B-A3B (2.89 vs 3.36 ms) and Qwen3-235B (9.99 vs 10.13). On
+DeepSeek-V3 (fp32 router, tf32x3 in the kernel since the eighth session) the fused forward alone is faster too (26.78
+vs 27.41 ms) but the forward+backward step with it is slower (97.4 vs 86.0 ms, not understood; RESULTS.md eighth
+session): so by default an fp32 router on 16-bit hidden states takes the reference (FP32_ROUTER_REASON).
 The same env and defaults hold with expert parallelism. On 2 H200s (benchmarks/RESULTS.md, sixth session) the fused
 EP forward is 1.28-1.57x faster than the unfused all_to_all path, and the fused EP backward 2-3x slower than the EP
 reference backward (recomputed up projection, all_to_all_single), so the EP backward stays opt-in too.
@@ -49,8 +50,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 _MODES = {"forward": ("forward",), "1": ("forward", "backward"), "0": ()}
-FP32_ROUTER_REASON = (f"fp32 router on 16-bit hidden states: the fused forward is slower than this reference impl "
-                      f"there on an H200 (DeepSeek-V3 layer, benchmarks/RESULTS.md); {ENV}=forward forces it")
+FP32_ROUTER_REASON = (f"fp32 router on 16-bit hidden states: with the fused forward the training step is slower than "
+                      f"with this reference impl there on an H200 (DeepSeek-V3 layer, benchmarks/RESULTS.md); "
+                      f"{ENV}=forward forces it")
 
 
 @contextlib.contextmanager

@@ -49,7 +49,7 @@ def kernel_times(step, steps: int, device: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="", help="substring filter on layer names")
+    p.add_argument("--only", default="", help="comma-separated substrings of layer names")
     p.add_argument("--ts", default="16384")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=12)
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     out = []
     for layer in LAYERS:
-        if args.only and args.only not in layer:
+        if args.only and not any(part in layer for part in args.only.split(",")):
             continue
         for T in map(int, args.ts.split(",")):
             block, d = build_block(layer, device, dtype, args.tiny)

@@ -11,8 +11,8 @@ and dense GEMMs of the same FLOPs.
 Layers: Qwen3-30B-A3B (H 2048, I 768, 128 experts, top-8), Qwen3-235B (H 4096, I 1536, 128, top-8),
 DeepSeek-V3 (H 7168, I 2048, 256 experts, top-8, 1 shared expert; group-limited sigmoid router). Random weights
 (nothing downloaded). Before timing, each variant's output is checked against HF eager (rel err); every time is
-a median of triton.testing.do_bench (L2 flushed). fwd+bwd = forward + backward of sum(out * g) w.r.t. the hidden
-states and every weight. Dense same-FLOPs: the routed experts' matmuls as two plain GEMMs over T*k rows
+a median over timed calls (`timed`: at least --min-reps, L2 flushed). fwd+bwd = forward + backward of sum(out * g)
+w.r.t. the hidden states and every weight. Dense same-FLOPs: the routed experts' matmuls as two plain GEMMs over T*k rows
 ([T*k, H] x [H, 2I] and [T*k, I] x [I, H]), fwd+bwd = 3x. Gated targets (issue: 85% / 80% of the dense rate)
 are printed next to the cells they apply to.
 """
@@ -68,13 +68,34 @@ def build_block(layer: str, device, dtype, tiny: bool = False):
     return block.to(dtype), d
 
 
+_FLUSH = None
+
+
 def timed(fn, args) -> float:
+    """Median ms of fn() over max(--min-reps, --rep ms worth) calls after --warmup ms worth, L2 flushed before each
+    (CUDA events around each call). triton's do_bench sizes its repeats by --rep alone: a 90 ms training step got
+    ONE timed call (the fifth to eighth sessions' fwd+bwd figures of the large layers were single calls)."""
+    global _FLUSH
     if args.tiny:
         fn()
         return float("nan")
-    import triton
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
 
-    return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
+    def once() -> float:
+        _FLUSH.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    est = min(once() for _ in range(2))
+    for _ in range(int(args.warmup / max(est, 1e-3))):
+        once()
+    times = sorted(once() for _ in range(max(args.min_reps, int(args.rep / max(est, 1e-3)))))
+    return times[len(times) // 2]
 
 
 def peak_gib(step, args) -> float:
@@ -98,7 +119,7 @@ def variants(block):
 
 
 # the kosmos-compiled block runs three times: kosmos::moe_layer's reference impls, the default (KOSMOS_FUSED_MOE
-# unset: the fused forward except for an fp32 router on 16-bit hidden states, the reference backward), then both
+# unset: the fused forward, the reference backward), then both
 # fused kernels (the op reads KOSMOS_FUSED_MOE at each call: one compiled graph)
 # kosmos_fwd: the fused forward with the reference backward (KOSMOS_FUSED_MOE=forward) whatever the default says
 KOSMOS_MODES = {"kosmos_ref": "0", "kosmos_default": None, "kosmos_fused": "1",
@@ -188,6 +209,7 @@ def main(argv=None) -> int:
     p.add_argument("--ts", default=",".join(map(str, TS)))
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
+    p.add_argument("--min-reps", type=int, default=10, help="timed calls per figure at least (median)")
     p.add_argument("--modes", default="kosmos_ref,kosmos_default,kosmos_fused",
                    help="kosmos impls to time (comma-separated): " + ", ".join(KOSMOS_MODES))
     p.add_argument("--json", default="")

@@ -157,7 +157,7 @@ def _layer_grads(hidden, router, bias, gate_up, down, grad, logits_grad, cfg, ep
     leaves = [hidden.clone().requires_grad_(), router.clone().requires_grad_(), gate_up.clone().requires_grad_(),
               down.clone().requires_grad_()]
     rb = bias.clone().requires_grad_() if use_bias else None
-    out, logits, counts, _ = torch.ops.kosmos.moe_layer(
+    out, logits, counts, _, _ = torch.ops.kosmos.moe_layer(
         leaves[0], leaves[1], rb, bias.abs() if correction else None, leaves[2], leaves[3], **cfg,
         ep_group_name=ep[0], ep_world_size=ep[1], ep_mode=ep[2] if len(ep) > 2 else "all_to_all")
     loss = (out * grad).sum() + ((logits * logits_grad).sum() if cfg.get("return_router_logits") else 0)

@@ -65,13 +65,14 @@ v4 = kosmos.moe_layer(v0: f32[16, 64], model.layers.1.mlp.gate.weight: f32[4, 64
         self.assertExpectedInline(kosmos_calls(run.forward[0]), """\
 v4 = kosmos.moe_layer(v0: f32[16, 64], v1: f32[4, 64], None, None, v2: f32[2, 64, 64], v3: f32[2, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', False, '0', 2, 'all_reduce')
     [0] v5: f32[16, 64] -> reshape
-    [3] v6: f32[0, 64] -> output""")
+    [3] v6: f32[0, 64] -> output
+    [4] v7: i32[0, 2] -> output""")
         self.assertExpectedInline(kosmos_calls(run.backward[0]), """\
-v6 = kosmos.moe_layer_backward(v0: f32[16, 64], None, v1: f32[16, 64], v2: f32[4, 64], None, None, v3: f32[2, 64, 64], v4: f32[2, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', '0', 2, 'all_reduce', v5: f32[0, 64])
-    [0] v7: f32[16, 64] -> reshape
-    [1] v8: f32[4, 64] -> output
-    [2] v9: f32[2, 64, 64] -> output
-    [3] v10: f32[2, 64, 32] -> output""")
+v7 = kosmos.moe_layer_backward(v0: f32[16, 64], None, v1: f32[16, 64], v2: f32[4, 64], None, None, v3: f32[2, 64, 64], v4: f32[2, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', '0', 2, 'all_reduce', v5: f32[0, 64], v6: i32[0, 2])
+    [0] v8: f32[16, 64] -> reshape
+    [1] v9: f32[4, 64] -> output
+    [2] v10: f32[2, 64, 64] -> output
+    [3] v11: f32[2, 64, 32] -> output""")
         (rec,) = [r for r in run.report.records if r.kind == "moe_layer"]
         self.assertExpectedInline(rec.line().replace("; " + TRANSFORMERS_5_17_EP_NOTE, ""), """[pre-grad] moe_layer: rewritten: router (softmax top-2, renormalised) + grouped_mm SwiGLU experts + fold -> kosmos::moe_layer (expert parallel: group 0, 2 ranks, replicated tokens, outputs summed by all_reduce) -> reference (cpu tensors (fused kernels need CUDA)) T=16 H=64 E=4 k=2 dtype=float32 I=32""")
 

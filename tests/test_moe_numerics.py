@@ -103,6 +103,44 @@ def test_backward_op_matches_autograd_of_reference(router):
         assert rel_err(a, b) <= FP32_TOL
 
 
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+def test_backward_follows_the_forwards_routing(router):
+    """moe_layer_backward gathers the scores at the forward's topk_ids (moe_layer's last output) instead of selecting
+    again: a forward whose routing differs from the reference's (the fused kernel at a near-tie of the logits) gets
+    the gradient of ITS routing, and saved_up's rows (the up projection of its pairs) line up with the pairs."""
+    h, w, gu, d = _inputs()
+    args = _layer_args(h, w, gu, d, router)
+    rb, sb, k = args[2], args[3], args[6]
+    router_args = args[6:13]
+    _, ids, _ = moe_ops.route(h, w, rb, sb, *router_args)
+    other = ids.clone()  # token 0's last choice moved to an expert it did not pick (what a near-tie flip does)
+    other[0, -1] = next(e for e in range(w.shape[0]) if e not in ids[0].tolist())
+    go = torch.randn(h.shape)
+    leaves = [t for t in (h, w, rb, gu, d) if t is not None]
+    # the gradient of `other`'s forward, by torch autograd
+    _, _, weights, _ = moe_ops._route_forward(h, w, rb, sb, *router_args, ids=other)
+    ref = torch.autograd.grad((moe_ops.experts(h, other, weights, gu, d)[0] * go).sum(), leaves)
+
+    def backward(routing):
+        with torch.no_grad():
+            _, _, wts, _ = moe_ops._route_forward(h, w, rb, sb, *router_args, ids=routing)
+            saved_up = moe_ops.experts(h.detach(), routing, wts, gu.detach(), d.detach(), return_up=True)[2]
+        plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
+        grads = torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all", saved_up,
+                                                    routing.to(torch.int32))
+        return [g for g in (grads[0], grads[1], grads[4] if rb is not None else None, grads[2], grads[3])
+                if g is not None]
+
+    for name, a, b in zip(("hidden", "router_weight", "router_bias", "gate_up", "down"), backward(other), ref):
+        assert rel_err(a, b) <= FP32_TOL, name
+    # the backward does use what it is given: its own selection's saved_up and routing give other gradients
+    assert max(rel_err(a, b) for a, b in zip(backward(ids), ref)) > 1e-3
+    with pytest.raises(ValueError, match="saved_up without topk_ids"):
+        plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
+        torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all",
+                                            torch.zeros(h.shape[0] * k + w.shape[0], gu.shape[1]), None)
+
+
 @pytest.mark.parametrize("router", ["qwen3", "deepseek_v3"])
 def test_opcheck_moe_layer(router):
     """Not test_aot_dispatch_dynamic: it returns saved_up from the traced function, and a graph whose user keeps

@@ -268,21 +268,23 @@ v4 = kosmos.moe_layer(v0: f32[16, 64], v1: f32[8, 64], None, None, v2: f32[8, 64
     [0] v5: f32[16, 64] -> reshape
     [1] v6: f32[16, 8] -> amax, output, sub
     [3] v7: f32[40, 64] -> output
-v12 = kosmos.moe_layer(v8: f32[16, 64], v9: f32[8, 64], None, None, v10: f32[8, 64, 64], v11: f32[8, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', True)
-    [0] v13: f32[16, 64] -> reshape
-    [1] v14: f32[16, 8] -> amax, output, sub
-    [3] v15: f32[40, 64] -> output""")
+    [4] v8: i32[16, 2] -> output
+v13 = kosmos.moe_layer(v9: f32[16, 64], v10: f32[8, 64], None, None, v11: f32[8, 64, 64], v12: f32[8, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', True)
+    [0] v14: f32[16, 64] -> reshape
+    [1] v15: f32[16, 8] -> amax, output, sub
+    [3] v16: f32[40, 64] -> output
+    [4] v17: i32[16, 2] -> output""")
         self.assertExpectedInline(kosmos_calls(run.backward[0]), """\
-v7 = kosmos.moe_layer_backward(v0: f32[16, 64], v1: f32[16, 8], v2: f32[16, 64], v3: f32[8, 64], None, None, v4: f32[8, 64, 64], v5: f32[8, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', None, 1, 'all_to_all', v6: f32[40, 64])
-    [0] v8: f32[16, 64] -> reshape
-    [1] v9: f32[8, 64] -> output
-    [2] v10: f32[8, 64, 64] -> output
-    [3] v11: f32[8, 64, 32] -> output
-v19 = kosmos.moe_layer_backward(v12: f32[16, 64], v13: f32[16, 8], v14: f32[16, 64], v15: f32[8, 64], None, None, v16: f32[8, 64, 64], v17: f32[8, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', None, 1, 'all_to_all', v18: f32[40, 64])
-    [0] v20: f32[16, 64] -> reshape
-    [1] v21: f32[8, 64] -> output
-    [2] v22: f32[8, 64, 64] -> output
-    [3] v23: f32[8, 64, 32] -> output""")
+v8 = kosmos.moe_layer_backward(v0: f32[16, 64], v1: f32[16, 8], v2: f32[16, 64], v3: f32[8, 64], None, None, v4: f32[8, 64, 64], v5: f32[8, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', None, 1, 'all_to_all', v6: f32[40, 64], v7: i32[16, 2])
+    [0] v9: f32[16, 64] -> reshape
+    [1] v10: f32[8, 64] -> output
+    [2] v11: f32[8, 64, 64] -> output
+    [3] v12: f32[8, 64, 32] -> output
+v21 = kosmos.moe_layer_backward(v13: f32[16, 64], v14: f32[16, 8], v15: f32[16, 64], v16: f32[8, 64], None, None, v17: f32[8, 64, 64], v18: f32[8, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', None, 1, 'all_to_all', v19: f32[40, 64], v20: i32[16, 2])
+    [0] v22: f32[16, 64] -> reshape
+    [1] v23: f32[8, 64] -> output
+    [2] v24: f32[8, 64, 64] -> output
+    [3] v25: f32[8, 64, 32] -> output""")
 
     def test_qwen3_moe_bf16(self):
         run = model_run("qwen3_moe", "bfloat16")
@@ -300,13 +302,14 @@ v5 = kosmos.moe_layer(v0: f32[16, 64], model.layers.1.mlp.gate.weight: f32[8, 64
         self.assertExpectedInline(kosmos_calls(run.forward[0]), """\
 v5 = kosmos.moe_layer(v0: f32[16, 64], v1: f32[8, 64], None, v2: f32[8], v3: f32[8, 64, 64], v4: f32[8, 64, 32], 2, 'sigmoid', True, 2, 1, 2.5, float32)
     [0] v6: f32[16, 64] -> reshape
-    [3] v7: f32[40, 64] -> output""")
+    [3] v7: f32[40, 64] -> output
+    [4] v8: i32[16, 2] -> output""")
         self.assertExpectedInline(kosmos_calls(run.backward[0]), """\
-v7 = kosmos.moe_layer_backward(v0: f32[16, 64], None, v1: f32[16, 64], v2: f32[8, 64], None, v3: f32[8], v4: f32[8, 64, 64], v5: f32[8, 64, 32], 2, 'sigmoid', True, 2, 1, 2.5, float32, 'silu', None, 1, 'all_to_all', v6: f32[40, 64])
-    [0] v8: f32[16, 64] -> reshape
-    [1] v9: f32[8, 64] -> output
-    [2] v10: f32[8, 64, 64] -> output
-    [3] v11: f32[8, 64, 32] -> output""")
+v8 = kosmos.moe_layer_backward(v0: f32[16, 64], None, v1: f32[16, 64], v2: f32[8, 64], None, v3: f32[8], v4: f32[8, 64, 64], v5: f32[8, 64, 32], 2, 'sigmoid', True, 2, 1, 2.5, float32, 'silu', None, 1, 'all_to_all', v6: f32[40, 64], v7: i32[16, 2])
+    [0] v9: f32[16, 64] -> reshape
+    [1] v10: f32[8, 64] -> output
+    [2] v11: f32[8, 64, 64] -> output
+    [3] v12: f32[8, 64, 32] -> output""")
         rec = run.report.rewrites[0]
         self.assertExpectedInline(rec.line(), """[pre-grad] moe_layer: rewritten: router (sigmoid top-2 of 1/2 groups, renormalised, x2.5) + grouped_mm SwiGLU experts + fold -> kosmos::moe_layer -> reference (cpu tensors (fused kernels need CUDA)) T=16 H=64 E=8 k=2 dtype=float32 I=32""")
 

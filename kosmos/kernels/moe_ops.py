@@ -2,14 +2,15 @@
 kosmos.kernels.moe_ep) and `kosmos::moe_layer_backward` (backward: kosmos.kernels.moe_backward / moe_ep_backward)
 through kosmos.ops.dispatch.
 
-Env KOSMOS_FUSED_MOE (read at each call) picks the directions that run fused: unset (the default: the forward,
-except for an fp32 router on 16-bit hidden states), "forward", "1" both, "0" neither. Both kernels pass their GPU
+Env KOSMOS_FUSED_MOE (read at each call) picks the directions that run fused: unset (the default: the forward),
+"forward" (the same), "1" both, "0" neither. Both kernels pass their GPU
 tests on an H200. On the benchmark cells (benchmarks/RESULTS.md, fifth session, T=16384) the fused backward is
 about 8x slower than the op's reference impl (grouped matmuls on the saved up projection), so it is opt-in; the fused
-forward is faster than the reference on Qwen3-30B-A3B (2.89 vs 3.36 ms) and Qwen3-235B (9.99 vs 10.13). On
-DeepSeek-V3 (fp32 router, tf32x3 in the kernel since the eighth session) the fused forward alone is faster too (26.78
-vs 27.41 ms) but the forward+backward step with it is slower (97.4 vs 86.0 ms, not understood; RESULTS.md eighth
-session): so by default an fp32 router on 16-bit hidden states takes the reference (FP32_ROUTER_REASON).
+forward is faster than the reference on Qwen3-30B-A3B (2.89 vs 3.36 ms) and Qwen3-235B (9.99 vs 10.13), and since
+its fp32 router runs tf32x3 (eighth session) on DeepSeek-V3 too: 28.43 vs 30.25 ms forward, 89.70 vs 89.57 ms
+forward + backward (10+ timed calls each; the earlier "slower training step" figures were single calls of
+triton's do_bench, RESULTS.md eighth session). Under expert parallelism an fp32 router on 16-bit hidden states
+still takes the reference forward by default (FP32_ROUTER_REASON: not measured since the tf32x3 router).
 The same env and defaults hold with expert parallelism. On 2 H200s (benchmarks/RESULTS.md, sixth session) the fused
 EP forward is 1.28-1.57x faster than the unfused all_to_all path, and the fused EP backward 2-3x slower than the EP
 reference backward (recomputed up projection, all_to_all_single), so the EP backward stays opt-in too.
@@ -50,9 +51,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 _MODES = {"forward": ("forward",), "1": ("forward", "backward"), "0": ()}
-FP32_ROUTER_REASON = (f"fp32 router on 16-bit hidden states: with the fused forward the training step is slower than "
-                      f"with this reference impl there on an H200 (DeepSeek-V3 layer, benchmarks/RESULTS.md); "
-                      f"{ENV}=forward forces it")
+FP32_ROUTER_REASON = (f"fp32 router on 16-bit hidden states under expert parallelism: the fused EP forward with this "
+                      f"router has not been timed against this reference impl (without EP it is faster since its router "
+                      f"runs tf32x3); {ENV}=forward forces it")
 
 
 @contextlib.contextmanager
@@ -80,9 +81,10 @@ def enabled(direction: str) -> bool:
     return direction in _MODES[mode]
 
 
-def _default_forward_reason(hidden, router_dtype) -> Optional[str]:
-    """Where the default (env unset) leaves the forward to the reference because it measured faster."""
-    if ENV in os.environ:
+def _default_forward_reason(hidden, router_dtype, ep_group_name) -> Optional[str]:
+    """Where the default (env unset) leaves the forward to the reference: an fp32 router on 16-bit hidden states
+    under expert parallelism (without EP the fused forward measured faster, RESULTS.md eighth session)."""
+    if ENV in os.environ or ep_group_name is None:
         return None
     if router_dtype == torch.float32 and hidden.dtype != torch.float32:
         return FP32_ROUTER_REASON
@@ -218,7 +220,7 @@ def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias,
                       ep_mode="all_to_all") -> Optional[str]:
     if not enabled("forward"):
         return f"fused MoE forward switched off ({ENV}={os.environ.get(ENV)})"
-    reason = _device_reason(hidden) or _default_forward_reason(hidden, router_dtype)
+    reason = _device_reason(hidden) or _default_forward_reason(hidden, router_dtype, ep_group_name)
     if reason is not None:
         return reason
 
@@ -242,12 +244,15 @@ def run_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gat
                                                    gate_up_proj, down_proj, top_k, scoring, norm_topk_prob, n_group,
                                                    topk_group, routed_scaling_factor, router_dtype, activation,
                                                    return_router_logits, ep_group_name)
-        return out, logits, counts, gate_up_proj.new_empty(0, gate_up_proj.shape[1])
+        return (out, logits, counts, gate_up_proj.new_empty(0, gate_up_proj.shape[1]),
+                counts.new_empty(0, top_k, dtype=torch.int32))
     from kosmos.kernels.moe import moe_forward
 
-    return moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
-                       scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
-                       return_router_logits, save_up=True)
+    out, logits, counts, saved_up, ids, _ = moe_forward(
+        hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
+        norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation, return_router_logits,
+        save_up=True, return_routing=True)
+    return out, logits, counts, saved_up, ids
 
 
 def _backward_reason(grad_out, grad_router_logits, hidden, E: int) -> Optional[str]:
@@ -269,7 +274,7 @@ def why_not_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weig
                                score_correction_bias, gate_up_proj, down_proj, top_k, scoring, norm_topk_prob,
                                n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
                                activation="silu", ep_group_name=None, ep_world_size=1,
-                               ep_mode="all_to_all", saved_up=None) -> Optional[str]:
+                               ep_mode="all_to_all", saved_up=None, topk_ids=None) -> Optional[str]:
     if not enabled("backward"):
         return (f"fused MoE backward is opt-in ({ENV}=1): slower than this reference impl on an H200 "
                 "(benchmarks/RESULTS.md)")
@@ -290,8 +295,9 @@ def why_not_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weig
 def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias,
                            gate_up_proj, down_proj, top_k, scoring, norm_topk_prob, n_group=1, topk_group=1,
                            routed_scaling_factor=1.0, router_dtype=None, activation="silu", ep_group_name=None,
-                           ep_world_size=1, ep_mode="all_to_all", saved_up=None):
-    """saved_up is not read: the fused backward recomputes the up projection in its own tiles."""
+                           ep_world_size=1, ep_mode="all_to_all", saved_up=None, topk_ids=None):
+    """saved_up and topk_ids are not read: the fused backward routes again in its own kernel (the same tiles and
+    bits as the fused forward's routing) and recomputes the up projection in its own tiles."""
     if ep_group_name is not None:
         from kosmos.kernels.moe_ep_group import moe_ep_backward_group
 

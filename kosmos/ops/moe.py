@@ -8,7 +8,8 @@ moe_layer(hidden [T, H], router_weight [E, H], router_bias [E]?, score_correctio
           routed_scaling_factor, router_dtype, activation, return_router_logits, ep_group_name, ep_world_size,
           ep_mode="all_to_all")
     -> (out [T, H] in hidden's dtype, router_logits [T, E] (or [0, E] unless return_router_logits),
-        tokens_per_expert [E] int32, saved_up [T * k + E, 2I] in gate_up_proj's dtype ([0, 2I] under EP))
+        tokens_per_expert [E] int32, saved_up [T * k + E, 2I] in gate_up_proj's dtype ([0, 2I] under EP),
+        topk_ids [T, k] int32 ([0, k] under EP): the routing this call used, whose pairs saved_up's rows hold)
 
     router (exactly HF transformers v5):
         rd      = router_dtype or hidden.dtype
@@ -47,9 +48,16 @@ path keeps of the experts too (the output of the first grouped matmul); Inductor
 test_moe_saved_activations.py). Under EP the rows an owner computes depend on the routing (no static shape), so
 saved_up is empty and the backward recomputes the up projection.
 
+topk_ids, the routing saved_up's rows follow: the backward takes it instead of selecting the top-k again. The fused
+forward routes in its own kernel and the reference backward with torch ops: their logits differ in the last bits
+(summation order), so a near-tie can pick another expert, and saved_up's rows would then belong to other pairs than
+the backward's. With the forward's topk_ids the backward recomputes only the scores (for the router's gradient)
+and gathers them at the forward's choices.
+
 Backward ops (one launch per direction; registered as the ops' autograd, so after AOT autograd the backward
 graph holds one call per MoE layer):
-    moe_layer_backward(grad_out, grad_router_logits?, <moe_layer's inputs but return_router_logits>, saved_up?)
+    moe_layer_backward(grad_out, grad_router_logits?, <moe_layer's inputs but return_router_logits>, saved_up?,
+                       topk_ids?)
         -> (d_hidden, d_router_weight, d_gate_up_proj, d_down_proj, d_router_bias ([0] without router_bias))
         saved_up is overwritten (its storage holds the SwiGLU backward's d_up, then d_hidden): a second backward
         through the same saved tensors never reads it. Eagerly autograd's version check raises; in a compiled graph
@@ -189,8 +197,9 @@ def _check_routing(hidden, topk_ids, topk_weights, gate_up_proj) -> None:
 
 
 def _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring, norm_topk_prob,
-                   n_group, topk_group, routed_scaling_factor, router_dtype):
-    """The router of the module docstring, keeping what its backward needs."""
+                   n_group, topk_group, routed_scaling_factor, router_dtype, ids=None):
+    """The router of the module docstring, keeping what its backward needs. ids [T, k] given: those choices
+    instead of the top-k selection (the weights are the scores gathered there, normalised and scaled as usual)."""
     if router_dtype is not None:
         hidden, router_weight = hidden.to(router_dtype), router_weight.to(router_dtype)
         router_bias = router_bias.to(router_dtype) if router_bias is not None else None
@@ -199,8 +208,11 @@ def _route_forward(hidden, router_weight, router_bias, score_correction_bias, to
         scores = F.softmax(logits, dim=-1, dtype=torch.float32)
     else:
         scores = logits.sigmoid()
-    eps = 0.0
-    if scoring == "softmax" and score_correction_bias is None and n_group == 1:
+    eps = _SIGMOID_NORM_EPS if scoring == "sigmoid" else 0.0
+    if ids is not None:
+        ids = ids.long()
+        raw = scores.gather(1, ids)
+    elif scoring == "softmax" and score_correction_bias is None and n_group == 1:
         raw, ids = torch.topk(scores, top_k, dim=-1)
     else:
         num_experts = scores.shape[-1]
@@ -213,7 +225,6 @@ def _route_forward(hidden, router_weight, router_bias, score_correction_bias, to
             choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
         ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
         raw = scores.gather(1, ids)
-        eps = _SIGMOID_NORM_EPS if scoring == "sigmoid" else 0.0
     normed, denominator = raw, None
     if norm_topk_prob:
         denominator = raw.sum(dim=-1, keepdim=True)
@@ -700,7 +711,7 @@ def moe_layer(
     ep_group_name: Optional[str] = None,
     ep_world_size: int = 1,
     ep_mode: str = "all_to_all",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
             norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
             return_router_logits, ep_group_name, ep_world_size, ep_mode)
@@ -713,15 +724,17 @@ def moe_layer(
     _check_ep_group("moe_layer", ep_group_name, ep_world_size)
     if ep_group_name is None:
         out, counts, saved_up = experts(hidden, ids, weights, gate_up_proj, down_proj, activation, return_up=True)
+        topk_ids = ids.to(torch.int32)
     else:
         saved_up = gate_up_proj.new_empty(0, gate_up_proj.shape[1])
+        topk_ids = ids.new_empty(0, top_k, dtype=torch.int32)
         if ep_mode == "all_reduce":
             out, counts = _replicated_forward(hidden, ids, weights, gate_up_proj, down_proj, activation,
                                               ep_group_name)
         else:
             out, counts = ep_experts(hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name,
                                      ep_world_size)
-    return out, (logits if return_router_logits else logits.new_empty(0, logits.shape[1])), counts, saved_up
+    return out, (logits if return_router_logits else logits.new_empty(0, logits.shape[1])), counts, saved_up, topk_ids
 
 
 def saved_up_rows(hidden: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int, ep_group_name: Optional[str]) -> int:
@@ -758,6 +771,7 @@ def _moe_layer_fake(hidden, router_weight, router_bias, score_correction_bias, g
         hidden.new_empty(rows, e, dtype=logits_dtype),
         hidden.new_empty(e, dtype=torch.int32),
         gate_up_proj.new_empty(saved_up_rows(hidden, gate_up_proj, top_k, ep_group_name), gate_up_proj.shape[1]),
+        hidden.new_empty(hidden.shape[0] if ep_group_name is None else 0, top_k, dtype=torch.int32),
     )
 
 
@@ -783,16 +797,26 @@ def moe_layer_backward(
     ep_world_size: int,
     ep_mode: str = "all_to_all",
     saved_up: Optional[torch.Tensor] = None,
+    topk_ids: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     args = (grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
             down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
-            activation, ep_group_name, ep_world_size, ep_mode, saved_up)
+            activation, ep_group_name, ep_world_size, ep_mode, saved_up, topk_ids)
     _check_saved_up(saved_up, hidden, gate_up_proj, top_k, ep_group_name)
+    with_saved_up = saved_up is not None and saved_up.shape[0] > 0
+    forward_ids = topk_ids if topk_ids is not None and topk_ids.numel() else None
+    if forward_ids is not None and (tuple(forward_ids.shape) != (hidden.shape[0], top_k)
+                                    or forward_ids.dtype.is_floating_point):
+        raise ValueError(f"kosmos::moe_layer_backward: topk_ids {tuple(forward_ids.shape)} {forward_ids.dtype} is not "
+                         f"moe_layer's routing output [{hidden.shape[0]}, {top_k}] int32")
+    if with_saved_up and forward_ids is None:
+        raise ValueError("kosmos::moe_layer_backward: saved_up without topk_ids (saved_up's rows follow the forward's "
+                         "routing, which the backward must reuse)")
     done, fused_out = dispatch.try_fused("moe_layer_backward", hidden.device, *args)
     if done:
         return _backward_outputs(fused_out, router_weight)
     routed = _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring, norm_topk_prob,
-                            n_group, topk_group, routed_scaling_factor, router_dtype)
+                            n_group, topk_group, routed_scaling_factor, router_dtype, ids=forward_ids)
     _, ids, weights, route_state = routed
     # the router's cast copy of hidden ([T, H] fp32 for DeepSeek-V3's router) is made again after the experts'
     # backward instead of being kept through it (their peak memory)
@@ -800,7 +824,7 @@ def moe_layer_backward(
     if recast:
         route_state["hidden"] = None
     _check_ep_group("moe_layer_backward", ep_group_name, ep_world_size)
-    if saved_up is not None and saved_up.shape[0]:
+    if with_saved_up:
         d_hidden, d_weights, d_gate_up, d_down = experts_backward(grad_out, hidden, ids, weights, gate_up_proj,
                                                                   down_proj, activation, saved_up)
     elif ep_mode == "all_reduce":
@@ -849,9 +873,9 @@ _LAYER_SCALARS = ("top_k", "scoring", "norm_topk_prob", "n_group", "topk_group",
 def _moe_layer_setup_context(ctx, inputs, output):
     hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj = inputs[:6]
     ctx.save_for_backward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj,
-                          output[3])
+                          output[3], output[4])
     ctx.scalars = dict(zip(_LAYER_SCALARS, inputs[6:]))
-    ctx.mark_non_differentiable(output[2], output[3])
+    ctx.mark_non_differentiable(output[2], output[3], output[4])
 
 
 def _may_overwrite(saved: torch.Tensor) -> bool:
@@ -869,8 +893,9 @@ def _may_overwrite(saved: torch.Tensor) -> bool:
     return bool(getattr(functorch_config, "donated_buffer", False))
 
 
-def _moe_layer_autograd(ctx, grad_out, grad_router_logits, _grad_counts, _grad_saved_up):
-    hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, saved_up = ctx.saved_tensors
+def _moe_layer_autograd(ctx, grad_out, grad_router_logits, _grad_counts, _grad_saved_up, _grad_topk_ids):
+    (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, saved_up,
+     topk_ids) = ctx.saved_tensors
     if saved_up.shape[0] and not _may_overwrite(saved_up):
         saved_up = saved_up.clone()
     s = ctx.scalars
@@ -880,7 +905,7 @@ def _moe_layer_autograd(ctx, grad_out, grad_router_logits, _grad_counts, _grad_s
         grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
         down_proj, s["top_k"], s["scoring"], s["norm_topk_prob"], s["n_group"], s["topk_group"],
         s["routed_scaling_factor"], s["router_dtype"], s["activation"], s["ep_group_name"], s["ep_world_size"],
-        s["ep_mode"], saved_up,
+        s["ep_mode"], saved_up, topk_ids,
     )
     d_hidden, d_router_weight, d_gate_up, d_down = grads[:4]
     d_router_bias = grads[4] if router_bias is not None else None

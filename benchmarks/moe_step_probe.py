@@ -13,13 +13,12 @@ import torch
 
 from kosmos.kernels.moe_ops import fused_env
 from moe import LAYERS, build_block
+from moe_profile import kernel_times
 
 KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
 
 def main(argv=None) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
     import kosmos  # noqa: F401  (registers the backend)
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,14 +57,7 @@ def main(argv=None) -> int:
                 step()
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / 3 * 1e3
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    step()
-                torch.cuda.synchronize()
-            kernels: dict = {}
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time / 3e3
+            kernels = kernel_times(step, 3, "cuda")
             print(f"env={env}: step ms median {ms[len(ms) // 2]:.2f} min {ms[0]:.2f} max {ms[-1]:.2f}; host wall "
                   f"{wall:.2f}; kernel sum {sum(kernels.values()):.2f}; "
                   + " ".join(f"{k}={st1[k] - st0[k]}" for k in KEYS), flush=True)

@@ -84,7 +84,8 @@ def test_deepseek_v3_router(dtype):
 def test_fp32_router_on_bf16_hidden_is_fp32_accurate():
     """DeepSeek-V3's fp32 router on bf16 hidden states runs tf32x3 (router_precision): its logits are as close to
     the fp64 product as cuBLAS's exact fp32 GEMM's (torch.backends.cuda.matmul.allow_tf32 off)."""
-    from kosmos.kernels.moe import moe_forward, router_precision
+    from kosmos.kernels.moe import moe_forward
+    from kosmos.kernels.moe_ops import router_precision
 
     assert not torch.backends.cuda.matmul.allow_tf32
     assert router_precision(torch.float32, torch.bfloat16) == "tf32x3"

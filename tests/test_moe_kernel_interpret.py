@@ -356,8 +356,31 @@ def test_default_fp32_router_rule(monkeypatch):
     assert moe_ops._default_forward_reason(h16, torch.float32, "ep") is None
 
 
+def test_fused_run_reports_the_router_precision(monkeypatch):
+    """A fused run's report line says when the router GEMM ran 3xTF32 (dispatch's detail hook; a stand-in op, so no
+    GPU is needed), and says nothing more for a 16-bit router."""
+    import kosmos
+    from kosmos.kernels import moe_ops
+    from kosmos.ops import dispatch
+
+    monkeypatch.setitem(dispatch._fused, "moe_note_probe", (lambda *a: None, lambda *a: "ran", moe_ops._layer_note))
+    h = torch.randn(4, 8, dtype=torch.bfloat16)
+    args = (h, None, None, None, None, None, 2, "sigmoid", True, 1, 1, 1.0)
+    kosmos.reset_report()
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert dispatch.try_fused("moe_note_probe", torch.device("cuda"), *args, torch.float32) == (True, "ran")
+        assert dispatch.try_fused("moe_note_probe", torch.device("cuda"), *args, None) == (True, "ran")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    runs = [r for r in kosmos.report().runtime if r[0] == "moe_note_probe"]
+    assert runs == [("moe_note_probe", "fused", "supported; router GEMM in 3xTF32 (fp32 router on 16-bit hidden "
+                     "states, allow_tf32 off: fp32-accurate)"), ("moe_note_probe", "fused", "supported")], runs
+
+
 def test_router_precision_follows_allow_tf32():
-    from kosmos.kernels.moe import router_precision
+    from kosmos.kernels.moe_ops import router_precision
 
     old = torch.backends.cuda.matmul.allow_tf32
     try:

@@ -89,7 +89,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kosmos.kernels import runtime
+from kosmos.kernels import moe_ops, runtime
 from kosmos.kernels.gemm import gemm_tile, input_precision
 from kosmos.kernels.moe_route import pair_rows, pick, route_tile, scan_counts
 from kosmos.kernels.signals import ERR_TIMEOUT, now_ns, proxy_fence, wait_flag
@@ -622,25 +622,13 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if p == "ieee" else "tf32"
 
 
-def router_precision(rd: torch.dtype, hidden_dtype: Optional[torch.dtype]) -> str:
-    """The router GEMM's tl.dot precision. An fp32 router on 16-bit hidden states without allow_tf32 (DeepSeek-V3's)
-    runs "tf32x3" on the tensor cores, not exact fp32 FMA (10 TF/s there: 6.2 of the DeepSeek-V3 layer's 28.5 ms on
-    the H200, benchmarks/moe_trace.py): the hidden value is exact in TF32 (its low part is zero) and the weight's
-    two TF32 parts leave at most 2**-24 of it, so every product is within fp32's own rounding and the sums are fp32,
-    as in the exact dot (whose summation order differs from cuBLAS's anyway)."""
-    p = _precision(rd)
-    if p == "ieee" and hidden_dtype in (torch.bfloat16, torch.float16):
-        return "tf32x3"
-    return p
-
-
 def routing_constexprs(scoring: str, norm_topk_prob: bool, n_group: int, topk_group: int,
                        routed_scaling_factor: float, rd: torch.dtype, router_bias, score_correction_bias, top_k: int,
                        num_experts: int, gate_up_dtype: torch.dtype, down_dtype: torch.dtype,
                        hidden_dtype: Optional[torch.dtype] = None) -> dict:
     """The constexprs every MoE kernel (forward / backward, with or without EP) derives from the router's
     arguments and the dtypes: scoring, selection, roundings (the reference's rules), tile widths of k and E, dot
-    precisions (router_precision)."""
+    precisions (moe_ops.router_precision)."""
     sigmoid = scoring == "sigmoid"
     score_dtype = torch.float32 if not sigmoid else rd
     choice_dtype = score_dtype if score_correction_bias is None else torch.promote_types(score_dtype,
@@ -651,5 +639,5 @@ def routing_constexprs(scoring: str, norm_topk_prob: bool, n_group: int, topk_gr
                 SCALED=sigmoid or routed_scaling_factor != 1.0,  # the reference's rule
                 TOP_K=top_k, KP=max(2, _next_pow2(top_k)), BLOCK_E=max(16, _next_pow2(num_experts)),
                 PD_F32=torch.promote_types(down_dtype, rd) == torch.float32,
-                ROUTER_PRECISION=router_precision(rd, hidden_dtype), UP_PRECISION=_precision(gate_up_dtype),
+                ROUTER_PRECISION=moe_ops.router_precision(rd, hidden_dtype), UP_PRECISION=_precision(gate_up_dtype),
                 DOWN_PRECISION=_precision(down_dtype))

@@ -81,6 +81,35 @@ def enabled(direction: str) -> bool:
     return direction in _MODES[mode]
 
 
+def router_precision(rd: torch.dtype, hidden_dtype: Optional[torch.dtype]) -> str:
+    """The fused kernels' router-GEMM tl.dot precision (a 16-bit router ignores it). An fp32 router on 16-bit hidden
+    states without allow_tf32 (DeepSeek-V3's) runs "tf32x3" on the tensor cores, not exact fp32 FMA (10 TF/s there:
+    6.2 of the DeepSeek-V3 layer's 28.5 ms on the H200, benchmarks/moe_trace.py): the hidden value is exact in TF32
+    (its low part is zero) and the weight's two TF32 parts leave at most 2**-24 of it, so every product is within
+    fp32's own rounding and the sums are fp32, as in the exact dot (whose summation order differs from cuBLAS's
+    anyway). With allow_tf32, TF32 (torch's rule)."""
+    if rd != torch.float32 or torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "tf32x3" if hidden_dtype in (torch.bfloat16, torch.float16) else "ieee"
+
+
+def _router_note(hidden, router_dtype) -> Optional[str]:
+    if router_precision(router_dtype or hidden.dtype, hidden.dtype) == "tf32x3":
+        return "router GEMM in 3xTF32 (fp32 router on 16-bit hidden states, allow_tf32 off: fp32-accurate)"
+    return None
+
+
+def _layer_note(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
+                norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None, *rest, **kw):
+    return _router_note(hidden, router_dtype)
+
+
+def _layer_backward_note(grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias,
+                         gate_up_proj, down_proj, top_k, scoring, norm_topk_prob, n_group=1, topk_group=1,
+                         routed_scaling_factor=1.0, router_dtype=None, *rest, **kw):
+    return _router_note(hidden, router_dtype)
+
+
 def _default_forward_reason(hidden, router_dtype, ep_group_name) -> Optional[str]:
     """Where the default (env unset) leaves the forward to the reference: an fp32 router on 16-bit hidden states
     under expert parallelism (without EP the fused forward measured faster, RESULTS.md eighth session)."""
@@ -315,8 +344,9 @@ def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, 
 def register() -> None:
     from kosmos.kernels import moe_rows
 
-    dispatch.register_fused("moe_layer", why_not_moe_layer, run_moe_layer)
-    dispatch.register_fused("moe_layer_backward", why_not_moe_layer_backward, run_moe_layer_backward)
+    dispatch.register_fused("moe_layer", why_not_moe_layer, run_moe_layer, _layer_note)
+    dispatch.register_fused("moe_layer_backward", why_not_moe_layer_backward, run_moe_layer_backward,
+                            _layer_backward_note)
     dispatch.register_row_kernel("moe_scaled_act", moe_rows.scaled_act)
     dispatch.register_row_kernel("moe_swiglu_rows_backward", moe_rows.swiglu_rows_backward)
     dispatch.register_row_kernel("moe_fold", moe_rows.fold)

@@ -8,16 +8,18 @@ import torch
 from kosmos.kernels.runtime import KernelDoesNotFit
 from kosmos.reporting import record_run
 
-# op name -> (why_not(*args) -> reason or None, run(*args))
-_fused: dict[str, tuple[Callable[..., Optional[str]], Callable]] = {}
+# op name -> (why_not(*args) -> reason or None, run(*args), detail(*args) -> what the report adds to "supported")
+_fused: dict[str, tuple[Callable[..., Optional[str]], Callable, Optional[Callable[..., Optional[str]]]]] = {}
 
 
 # name -> CUDA kernel of one step inside a reference impl (same math, fewer passes; not a choice to report)
 _row_kernels: dict[str, Callable] = {}
 
 
-def register_fused(op: str, why_not: Callable[..., Optional[str]], run: Callable) -> None:
-    _fused[op] = (why_not, run)
+def register_fused(op: str, why_not: Callable[..., Optional[str]], run: Callable,
+                   detail: Optional[Callable[..., Optional[str]]] = None) -> None:
+    """detail(*args): a note for the report's line of a fused run (e.g. a precision it chose), or None."""
+    _fused[op] = (why_not, run, detail)
 
 
 def register_row_kernel(name: str, fn: Callable) -> None:
@@ -49,7 +51,9 @@ def try_fused(op: str, device: torch.device, *args) -> tuple[bool, Any]:
         except KernelDoesNotFit as e:
             reason = str(e)
         else:
-            record_run(op, "fused", "supported")
+            detail = _fused[op][2]
+            note = detail(*args) if detail is not None else None
+            record_run(op, "fused", f"supported; {note}" if note else "supported")
             return True, out
     record_run(op, "reference", reason)
     return False, None

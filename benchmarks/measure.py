@@ -41,6 +41,31 @@ def bench_graph(fn, calls: int = 20, replays: int = 7) -> float:
     return (times[True] - times[False]) / calls
 
 
+def bench_calls(fn, warmup_ms: float, rep_ms: float, min_reps: int = 10) -> float:
+    """Median ms of fn() over max(min_reps, rep_ms worth) calls after warmup_ms worth, L2 flushed before each (CUDA
+    events around each call). triton's do_bench sizes its repeats by rep alone: a 90 ms training step with rep=40
+    is timed ONCE (the MoE benchmarks' large-layer fwd+bwd figures up to the eighth session were such single
+    calls)."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+
+    def once() -> float:
+        _FLUSH.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    est = min(once() for _ in range(2))
+    for _ in range(int(warmup_ms / max(est, 1e-3))):
+        once()
+    times = sorted(once() for _ in range(max(min_reps, int(rep_ms / max(est, 1e-3)))))
+    return times[len(times) // 2]
+
+
 def heat(fn, seconds: float = 2.0) -> None:
     """Runs fn back to back for `seconds`: the GPU's clocks settle at their loaded (power-capped) level, so
     the first timing of a run is not taken at an idle GPU's boost clock."""

@@ -25,7 +25,7 @@ import json
 import torch
 
 from kosmos.kernels.moe_ops import fused_env
-from measure import rel_err, speedup_plot
+from measure import bench_calls, rel_err, speedup_plot
 
 LAYERS = {
     "qwen3_30b_a3b": dict(family="qwen3_moe", H=2048, I=768, E=128, k=8),
@@ -68,34 +68,13 @@ def build_block(layer: str, device, dtype, tiny: bool = False):
     return block.to(dtype), d
 
 
-_FLUSH = None
-
-
 def timed(fn, args) -> float:
-    """Median ms of fn() over max(--min-reps, --rep ms worth) calls after --warmup ms worth, L2 flushed before each
-    (CUDA events around each call). triton's do_bench sizes its repeats by --rep alone: a 90 ms training step got
-    ONE timed call (the fifth to eighth sessions' fwd+bwd figures of the large layers were single calls)."""
-    global _FLUSH
+    """measure.bench_calls: at least --min-reps timed calls (the fifth to eighth sessions' do_bench timed a 90 ms
+    training step once)."""
     if args.tiny:
         fn()
         return float("nan")
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
-
-    def once() -> float:
-        _FLUSH.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
-    est = min(once() for _ in range(2))
-    for _ in range(int(args.warmup / max(est, 1e-3))):
-        once()
-    times = sorted(once() for _ in range(max(args.min_reps, int(args.rep / max(est, 1e-3)))))
-    return times[len(times) // 2]
+    return bench_calls(fn, args.warmup, args.rep, args.min_reps)
 
 
 def peak_gib(step, args) -> float:

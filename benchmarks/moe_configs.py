@@ -1,5 +1,5 @@
 """Tile configs of the fused MoE forward (kosmos.kernels.moe.moe_forward) on one layer's dims: each config's
-median time (triton do_bench, L2 flushed), its output checked bit-identical to the default config's or within
+median time (measure.bench_calls: 10+ calls, L2 flushed), its output checked bit-identical to the default config's or within
 bf16 tolerance (a different BK changes the sum order), and the router + routing timed alone as a floor.
 
     PYTHONPATH=. python3 benchmarks/moe_configs.py --layer qwen3_235b --T 16384 --configs default,bi128,bi128_s4
@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from benchmarks.moe import LAYERS
+from measure import bench_calls
 
 CONFIGS = {  # name -> MoeConfig fields replaced on the default
     "default": {},
@@ -25,8 +26,6 @@ CONFIGS = {  # name -> MoeConfig fields replaced on the default
 
 
 def main() -> None:
-    import triton
-
     from kosmos.kernels import moe
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,7 +51,7 @@ def main() -> None:
             def fn(cfg=cfg):
                 return moe.moe_forward(hidden, rw, None, None, gu, down, k, config=cfg)
             out = fn()[0]
-            ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+            ms = bench_calls(fn, 10, 60)
         except Exception as e:  # noqa: BLE001  (a config that does not fit: say so, go on)
             print(f"{name:>14}: failed: {type(e).__name__}: {str(e)[:160]}")
             continue

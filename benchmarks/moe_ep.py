@@ -10,7 +10,7 @@ as the non-EP fused kernel over all T tokens and all E experts; overhead = t_ep 
 backward kernels (EP backward: rows, grads and weights dispatched, d_x rows and d_w partials pushed back). The
 workspace column is the forward's bytes per rank (ep_workspace_bytes). Each EP run is first
 checked per rank against the reference `experts` on the kernel's routing (rel. error). Times: medians of
-triton.testing.do_bench (L2 flushed), bf16.
+measure.bench_calls (10+ calls, L2 flushed), bf16.
 
     PYTHONPATH=. python3 benchmarks/moe.py --ep 2,4,8 --ts 16384 --only qwen3_30b --json ep.json
 """
@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 
 import torch
+
+from measure import bench_calls
 
 LAYERS = {
     "qwen3_30b_a3b": dict(H=2048, I=768, E=128, k=8),
@@ -40,8 +42,6 @@ def _weights(d, T, W, device):
 
 
 def run_cell(layer: str, T: int, W: int, warmup: int, rep: int) -> dict:
-    import triton
-
     from kosmos.kernels.moe import moe_forward
     from kosmos.kernels.moe_backward import moe_backward
     from kosmos.kernels.moe_ep import ep_workspace_bytes
@@ -76,10 +76,10 @@ def run_cell(layer: str, T: int, W: int, warmup: int, rep: int) -> dict:
         ref, _ = experts(h[r], ids[r].long(), wts[r].to(torch.bfloat16), gu, dn)
         errs.append(float((out[r].double() - ref.double()).norm() / ref.double().norm()))
     sw.workspace.check()
-    t_ep = triton.testing.do_bench(ep, warmup=warmup, rep=rep, return_mode="median")
-    t_local = triton.testing.do_bench(local, warmup=warmup, rep=rep, return_mode="median")
-    t_ep_bwd = triton.testing.do_bench(ep_bwd, warmup=warmup, rep=rep, return_mode="median")
-    t_local_bwd = triton.testing.do_bench(local_bwd, warmup=warmup, rep=rep, return_mode="median")
+    t_ep = bench_calls(ep, warmup, rep)
+    t_local = bench_calls(local, warmup, rep)
+    t_ep_bwd = bench_calls(ep_bwd, warmup, rep)
+    t_local_bwd = bench_calls(local_bwd, warmup, rep)
     sw.workspace.check()
     return dict(layer=layer, T=T, W=W, t_ep_ms=t_ep, t_local_ms=t_local, overhead=t_ep / t_local - 1,
                 t_ep_bwd_ms=t_ep_bwd, t_local_bwd_ms=t_local_bwd, overhead_bwd=t_ep_bwd / t_local_bwd - 1,

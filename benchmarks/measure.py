@@ -10,12 +10,18 @@ import torch
 _FLUSH = None
 
 
-def bench_graph(fn, calls: int = 20, replays: int = 7) -> float:
-    """Device time of one fn() in ms, launch cost excluded: a CUDA graph of `calls` x (L2 flush, fn) and one of
-    `calls` x (L2 flush) are each replayed `replays` times; median difference / calls."""
+def _flush_buffer() -> torch.Tensor:
+    """256 MB on the GPU whose zero_() evicts the L2 (made once)."""
     global _FLUSH
     if _FLUSH is None:
         _FLUSH = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    return _FLUSH
+
+
+def bench_graph(fn, calls: int = 20, replays: int = 7) -> float:
+    """Device time of one fn() in ms, launch cost excluded: a CUDA graph of `calls` x (L2 flush, fn) and one of
+    `calls` x (L2 flush) are each replayed `replays` times; median difference / calls."""
+    flush = _flush_buffer()
     fn()  # warm: compile, caches
     torch.cuda.synchronize()
     times = {}
@@ -23,7 +29,7 @@ def bench_graph(fn, calls: int = 20, replays: int = 7) -> float:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for _ in range(calls):
-                _FLUSH.zero_()
+                flush.zero_()
                 if with_fn:
                     fn()
         g.replay()
@@ -46,12 +52,10 @@ def bench_calls(fn, warmup_ms: float, rep_ms: float, min_reps: int = 10) -> floa
     events around each call). triton's do_bench sizes its repeats by rep alone: a 90 ms training step with rep=40
     is timed ONCE (the MoE benchmarks' large-layer fwd+bwd figures up to the eighth session were such single
     calls)."""
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.int32, device="cuda")
+    flush = _flush_buffer()
 
     def once() -> float:
-        _FLUSH.zero_()
+        flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

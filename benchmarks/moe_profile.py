@@ -19,9 +19,9 @@ import json
 import torch
 
 from kosmos.kernels.moe_ops import fused_env
-from moe import LAYERS, build_block, variants
+from moe import KOSMOS_MODES, LAYERS, build_block, variants
 
-VARIANTS = {"inductor": None, "kosmos_ref": "0", "kosmos_default": None}
+VARIANTS = ("inductor", "kosmos_ref", "kosmos_default")  # or any other of moe.KOSMOS_MODES
 
 
 def kernel_times(step, steps: int, device: str) -> dict:
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
             fns = variants(block)
             for name in args.variants.split(","):
                 f = fns["inductor" if name == "inductor" else "kosmos"]
-                env = fused_env(VARIANTS[name]) if name.startswith("kosmos") else contextlib.nullcontext()
+                env = fused_env(KOSMOS_MODES[name]) if name in KOSMOS_MODES else contextlib.nullcontext()
                 with env:
                     def fwd(f=f):
                         with torch.no_grad():

@@ -10,8 +10,8 @@ forward is faster than the reference on Qwen3-30B-A3B (2.89 vs 3.36 ms) and Qwen
 its fp32 router runs tf32x3 (eighth session) on DeepSeek-V3 too: 28.43 vs 30.25 ms forward, 89.70 vs 89.57 ms
 forward + backward (10+ timed calls each; the earlier "slower training step" figures were single calls of
 triton's do_bench, RESULTS.md eighth session). Under expert parallelism an fp32 router on 16-bit hidden states
-still takes the reference forward by default (FP32_ROUTER_REASON: not measured since the tf32x3 router).
-The same env and defaults hold with expert parallelism. On 2 H200s (benchmarks/RESULTS.md, sixth session) the fused
+still takes the reference forward by default (FP32_ROUTER_REASON: not measured since the tf32x3 router); the env
+and the other defaults hold with expert parallelism too. On 2 H200s (benchmarks/RESULTS.md, sixth session) the fused
 EP forward is 1.28-1.57x faster than the unfused all_to_all path, and the fused EP backward 2-3x slower than the EP
 reference backward (recomputed up projection, all_to_all_single), so the EP backward stays opt-in too.
 `why_not_*` also refuses, with the reason:

@@ -802,16 +802,7 @@ def moe_layer_backward(
     args = (grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
             down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
             activation, ep_group_name, ep_world_size, ep_mode, saved_up, topk_ids)
-    _check_saved_up(saved_up, hidden, gate_up_proj, top_k, ep_group_name)
-    with_saved_up = saved_up is not None and saved_up.shape[0] > 0
-    forward_ids = topk_ids if topk_ids is not None and topk_ids.numel() else None
-    if forward_ids is not None and (tuple(forward_ids.shape) != (hidden.shape[0], top_k)
-                                    or forward_ids.dtype.is_floating_point):
-        raise ValueError(f"kosmos::moe_layer_backward: topk_ids {tuple(forward_ids.shape)} {forward_ids.dtype} is not "
-                         f"moe_layer's routing output [{hidden.shape[0]}, {top_k}] int32")
-    if with_saved_up and forward_ids is None:
-        raise ValueError("kosmos::moe_layer_backward: saved_up without topk_ids (saved_up's rows follow the forward's "
-                         "routing, which the backward must reuse)")
+    with_saved_up, forward_ids = _check_saved_state(saved_up, topk_ids, hidden, gate_up_proj, top_k, ep_group_name)
     done, fused_out = dispatch.try_fused("moe_layer_backward", hidden.device, *args)
     if done:
         return _backward_outputs(fused_out, router_weight)
@@ -848,13 +839,24 @@ def _backward_outputs(grads, router_weight):
     return (*grads[:4], grads[4] if len(grads) > 4 else router_weight.new_empty(0))
 
 
-def _check_saved_up(saved_up, hidden, gate_up_proj, top_k, ep_group_name) -> None:
-    if saved_up is None or saved_up.shape[0] == 0:
-        return
-    want = (saved_up_rows(hidden, gate_up_proj, top_k, ep_group_name), gate_up_proj.shape[1])
-    if tuple(saved_up.shape) != want or saved_up.dtype != gate_up_proj.dtype:
-        raise ValueError(f"kosmos::moe_layer_backward: saved_up {tuple(saved_up.shape)} {saved_up.dtype} is not "
-                         f"moe_layer's saved up output {want} {gate_up_proj.dtype}")
+def _check_saved_state(saved_up, topk_ids, hidden, gate_up_proj, top_k, ep_group_name):
+    """What moe_layer saved for the backward -> (saved_up is given, the forward's routing or None); raises for
+    shapes that are not moe_layer's outputs, and for saved_up without the routing its rows follow."""
+    with_saved_up = saved_up is not None and saved_up.shape[0] > 0
+    if with_saved_up:
+        want = (saved_up_rows(hidden, gate_up_proj, top_k, ep_group_name), gate_up_proj.shape[1])
+        if tuple(saved_up.shape) != want or saved_up.dtype != gate_up_proj.dtype:
+            raise ValueError(f"kosmos::moe_layer_backward: saved_up {tuple(saved_up.shape)} {saved_up.dtype} is not "
+                             f"moe_layer's saved up output {want} {gate_up_proj.dtype}")
+    forward_ids = topk_ids if topk_ids is not None and topk_ids.numel() else None
+    if forward_ids is not None and (tuple(forward_ids.shape) != (hidden.shape[0], top_k)
+                                    or forward_ids.dtype.is_floating_point):
+        raise ValueError(f"kosmos::moe_layer_backward: topk_ids {tuple(forward_ids.shape)} {forward_ids.dtype} is not "
+                         f"moe_layer's routing output [{hidden.shape[0]}, {top_k}] int32")
+    if with_saved_up and forward_ids is None:
+        raise ValueError("kosmos::moe_layer_backward: saved_up without topk_ids (saved_up's rows follow the forward's "
+                         "routing, which the backward must reuse)")
+    return with_saved_up, forward_ids
 
 
 @moe_layer_backward.register_fake

@@ -103,6 +103,23 @@ def test_backward_op_matches_autograd_of_reference(router):
         assert rel_err(a, b) <= FP32_TOL
 
 
+@pytest.mark.parametrize("router", ["qwen3", "deepseek_v3"])
+def test_no_tokens_forward_and_backward(router):
+    """T = 0 (a rank of a data-parallel group left without tokens): saved_up holds only the E pad rows and topk_ids is
+    [0, k]; the backward takes that empty routing as the forward's (not as "routing not saved") and gives zero
+    gradients of the weights."""
+    h, w, gu, d = _inputs()
+    h = h.detach()[:0].requires_grad_()
+    args = _layer_args(h, w, gu, d, router)
+    out, logits, counts, saved_up, topk_ids = torch.ops.kosmos.moe_layer(*args)
+    assert tuple(out.shape) == (0, 32) and tuple(topk_ids.shape) == (0, 3) and saved_up.shape[0] == w.shape[0]
+    assert counts.tolist() == [0] * w.shape[0]
+    leaves = [t for t in (h, w, args[2], gu, d) if t is not None]
+    grads = torch.autograd.grad(out.sum() + logits.sum(), leaves)
+    assert tuple(grads[0].shape) == (0, 32)
+    assert all(float(g.abs().sum()) == 0 for g in grads[1:])
+
+
 @pytest.mark.parametrize("router", sorted(ROUTERS))
 def test_backward_follows_the_forwards_routing(router):
     """moe_layer_backward gathers the scores at the forward's topk_ids (moe_layer's last output) instead of selecting

@@ -848,7 +848,8 @@ def _check_saved_state(saved_up, topk_ids, hidden, gate_up_proj, top_k, ep_group
         if tuple(saved_up.shape) != want or saved_up.dtype != gate_up_proj.dtype:
             raise ValueError(f"kosmos::moe_layer_backward: saved_up {tuple(saved_up.shape)} {saved_up.dtype} is not "
                              f"moe_layer's saved up output {want} {gate_up_proj.dtype}")
-    forward_ids = topk_ids if topk_ids is not None and topk_ids.numel() else None
+    # topk_ids [0, k] means "not saved" (EP), unless there are no tokens at all
+    forward_ids = None if topk_ids is None or (topk_ids.numel() == 0 and hidden.shape[0] > 0) else topk_ids
     if forward_ids is not None and (tuple(forward_ids.shape) != (hidden.shape[0], top_k)
                                     or forward_ids.dtype.is_floating_point):
         raise ValueError(f"kosmos::moe_layer_backward: topk_ids {tuple(forward_ids.shape)} {forward_ids.dtype} is not "

@@ -99,6 +99,25 @@ def test_fp32_router_on_bf16_hidden_is_fp32_accurate():
     assert err_kernel <= max(4 * err_cublas, 1e-7), (err_kernel, err_cublas)
 
 
+def test_deepseek_v3_router_256_experts():
+    """DeepSeek-V3's router at its 256 experts (32-token ROUTE tiles, the fp32 weight split into two TF32 dots),
+    ragged T: against the reference, bit-identical on another grid size, and the same outputs when the logits are
+    not returned."""
+    from kosmos.kernels.moe import moe_forward
+
+    h, rw, gu, d = make(1000, 512, 64, 256, torch.bfloat16, seed=14)
+    rw = rw.float()
+    corr = torch.linspace(-0.05, 0.05, 256, device="cuda")
+    router = dict(scoring="sigmoid", correction=corr, n_group=8, topk_group=4, rsf=2.5, router_dtype=torch.float32)
+    first = run_and_check(h, rw, gu, d, 8, **router)
+    again = run_and_check(h, rw, gu, d, 8, **router, programs=7)
+    assert all(torch.equal(a, b) for a, b in zip(first, again)), "grid sizes not bit-identical"
+    out, logits, tpe, ids, w = moe_forward(h, rw, None, corr, gu, d, 8, "sigmoid", True, 8, 4,
+                                           routed_scaling_factor=2.5, router_dtype=torch.float32, return_routing=True)
+    assert logits.shape[0] == 0
+    assert all(torch.equal(a, b) for a, b in zip((out, tpe, ids, w), (first[0],) + first[2:]))
+
+
 def test_sigmoid_bf16_router_no_renorm():
     h, rw, gu, d = make(300, 256, 128, 16, torch.bfloat16, seed=10)
     run_and_check(h, rw, gu, d, 2, scoring="sigmoid", norm=False, router_bias=torch.linspace(

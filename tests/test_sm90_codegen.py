@@ -97,3 +97,28 @@ def test_moe_forward():
                      int64=("err_host", "timeout_ns"), floats=("rsf", "eps"),
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _report(k)
+
+
+def test_moe_forward_deepseek_router():
+    """The MoE forward as DeepSeek-V3's layer runs it (256 experts in 32-token ROUTE tiles; fp32 router on bf16
+    hidden states: the weight split into two TF32 dots per K block): no wgmma serialization."""
+    import dataclasses
+
+    from kosmos.kernels import moe
+
+    cfg = dataclasses.replace(moe.CONFIGS["default"], bt=32, **moe.WIDE_FORWARD)
+    consts = moe.routing_constexprs("sigmoid", True, 8, 4, 2.5, torch.float32, None, torch.zeros(1), 8, 256,
+                                    torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    assert consts["ROUTER_PRECISION"] == "tf32x3"
+    k = compile_sm90(moe.moe_forward_kernel,
+                     dict(**consts, RET_LOGITS=False, BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
+                          BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=True, USE_ASM=True,
+                          TRACE=False),
+                     dict(ctrl="i32", hidden=BF, rw="fp32", rb="fp32", cb="fp32", logits="fp32", ids_ptr="i32",
+                          w_ptr="fp32", rank_ptr="i32", counts="i32", meta="i32", tpe="i32", x_sorted=BF, act=BF,
+                          saved_up=BF, y=BF, out=BF, trace="i64"),
+                     dict(x_desc=(torch.bfloat16, (cfg.bm, cfg.bk)), gu_desc=(torch.bfloat16, (cfg.bi, cfg.bk)),
+                          down_desc=(torch.bfloat16, (cfg.bn, cfg.bk2)), act_desc=(torch.bfloat16, (cfg.bm, cfg.bk2))),
+                     int64=("err_host", "timeout_ns"), floats=("rsf", "eps"),
+                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _report(k)

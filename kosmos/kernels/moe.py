@@ -19,7 +19,8 @@ moe_trace.py, RESULTS.md eighth session): with a wait and a release per task (DO
 only), the waits took 4-7% of the SM-time of the UP and DOWN phases (about 1.5 us a task), more than the phase
 barrier costs at the UP -> DOWN transition (SMs done early idle for part of an UP tile).
 
-- ROUTE(tile of BT tokens): router GEMM (tl.dot over H, logits rounded to router_dtype, + router_bias), softmax
+- ROUTE(tile of BT tokens): router GEMM (moe_route.router_logits: tl.dot over H, logits rounded to router_dtype, +
+  router_bias; an fp32 router on 16-bit hidden states as two TF32 dots of the weight's split), softmax
   in fp32 or sigmoid, selection values (+ correction bias, group mask), top-k by repeated max (lowest expert id
   wins a tie), renorm / scaling, weights rounded to the logits dtype; stores ids, weights and each pair's rank
   among the tile's pairs of the same expert (token order), and the tile's per-expert pair counts as one row of the

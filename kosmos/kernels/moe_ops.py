@@ -84,10 +84,11 @@ def enabled(direction: str) -> bool:
 def router_precision(rd: torch.dtype, hidden_dtype: Optional[torch.dtype]) -> str:
     """The fused kernels' router-GEMM tl.dot precision (a 16-bit router ignores it). An fp32 router on 16-bit hidden
     states without allow_tf32 (DeepSeek-V3's) runs "tf32x3" on the tensor cores, not exact fp32 FMA (10 TF/s there:
-    6.2 of the DeepSeek-V3 layer's 28.5 ms on the H200, benchmarks/moe_trace.py): the hidden value is exact in TF32
-    (its low part is zero) and the weight's two TF32 parts leave at most 2**-24 of it, so every product is within
-    fp32's own rounding and the sums are fp32, as in the exact dot (whose summation order differs from cuBLAS's
-    anyway). With allow_tf32, TF32 (torch's rule)."""
+    6.2 of the DeepSeek-V3 layer's 28.5 ms on the H200, benchmarks/moe_trace.py). The forward's router GEMM
+    (moe_route.router_logits) skips the split term that is zero: the hidden value is exact in TF32, the weight is
+    split into two TF32 parts (within 2**-22 of it), two tensor-core dots per K block, each block's sum added in fp32;
+    the backward's router dots (fp32 gradients) run tl.dot's three. A GPU test holds the logits as close to the fp64
+    product as cuBLAS's exact fp32 GEMM's. With allow_tf32, TF32 (torch's rule)."""
     if rd != torch.float32 or torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return "tf32x3" if hidden_dtype in (torch.bfloat16, torch.float16) else "ieee"

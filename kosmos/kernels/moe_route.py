@@ -28,34 +28,89 @@ def _round(x, DT: tl.constexpr, ON: tl.constexpr):
 
 
 @triton.jit
-def route_tile(tile, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, H, E, rsf, eps,
-                HAS_RB: tl.constexpr, RET_LOGITS: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr,
-                SIGMOID: tl.constexpr, HAS_CB: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                SD_ROUND: tl.constexpr, CD_ROUND: tl.constexpr,
-                TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr,
-                BKR: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
-    """SD_ROUND: the scores' dtype is the logits dtype RD (sigmoid of non-fp32 logits), so every op on them rounds
-    to RD; CD_ROUND: the same for the selection values scores + score_correction_bias."""
-    RD: tl.constexpr = logits.dtype.element_ty
-    rows = tile * BT + tl.arange(0, BT)
+def _tf32_round(x):
+    """x (fp32) rounded to the nearest TF32 value (ties away from zero, as cvt.rna.tf32.f32): the low 13 mantissa
+    bits cleared after adding half of their range to the magnitude."""
+    b = x.to(tl.uint32, bitcast=True)
+    return ((b + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def router_logits(row0, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD: tl.constexpr, HAS_RB: tl.constexpr,
+                  RT: tl.constexpr, BLOCK_E: tl.constexpr, BKR: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
+    """Router logits of tokens row0 .. row0+RT-1 as [RT, BLOCK_E] fp32 values of dtype RD (x @ W^T + bias, rounded
+    to RD; rows past T read zeros).
+
+    "tf32x3" on 16-bit hidden states (moe_ops.router_precision): the hidden value is exact in TF32, so of the three
+    products of the 3xTF32 split only two are not zero: x @ hi(W) + x @ lo(W), with hi = W rounded to TF32 and lo =
+    the rest rounded to TF32 (|W - hi - lo| <= 2**-22 |W|): two tensor-core dots instead of tl.dot's three."""
+    rows = row0 + tl.arange(0, RT)
     rmask = rows < T
     rows64 = rows.to(tl.int64)
     cols_e = tl.arange(0, BLOCK_E)
     emask = cols_e < E
-    colk = tl.arange(0, KP)
-    acc = tl.zeros((BT, BLOCK_E), dtype=tl.float32)
+    SPLIT_W: tl.constexpr = ROUTER_PRECISION == "tf32x3"
+    X16: tl.constexpr = hidden.dtype.element_ty != tl.float32
+    acc = tl.zeros((RT, BLOCK_E), dtype=tl.float32)
     for k0 in range(0, H, BKR):
         ks = k0 + tl.arange(0, BKR)
         kmask = ks < H
         x = tl.load(hidden + rows64[:, None] * h_ld + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(rw + cols_e.to(tl.int64)[:, None] * rw_ld + ks[None, :], mask=emask[:, None] & kmask[None, :],
                     other=0.0)
-        acc = tl.dot(x.to(RD), tl.trans(w.to(RD)), acc, input_precision=ROUTER_PRECISION)
+        if SPLIT_W and X16:
+            w32 = w.to(tl.float32)
+            w_hi = _tf32_round(w32)
+            w_lo = _tf32_round(w32 - w_hi)
+            # the K block's two products summed on the tensor cores, then added to acc by an fp32 add: a tensor-core
+            # accumulator carried over all of H drifts (85x cuBLAS fp32's error vs fp64 on the H200, DeepSeek-V3's
+            # router), as tl.dot's own tf32x3 avoids the same way
+            part = tl.dot(x.to(tl.float32), tl.trans(w_lo), input_precision="tf32")
+            acc += tl.dot(x.to(tl.float32), tl.trans(w_hi), part, input_precision="tf32")
+        else:
+            acc = tl.dot(x.to(RD), tl.trans(w.to(RD)), acc, input_precision=ROUTER_PRECISION)
     if HAS_RB:
         acc += tl.load(rb + cols_e, mask=emask, other=0.0).to(RD).to(tl.float32)[None, :]
-    lg = acc.to(RD)
+    return acc.to(RD)
+
+
+@triton.jit
+def route_tile(tile, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, H, E, rsf, eps,
+               HAS_RB: tl.constexpr, RET_LOGITS: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr,
+               SIGMOID: tl.constexpr, HAS_CB: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+               SD_ROUND: tl.constexpr, CD_ROUND: tl.constexpr,
+               TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr,
+               BKR: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
+    """ROUTE task of token tile `tile`: router logits (stored with RET_LOGITS), then the selection (select_tile).
+
+    (A router GEMM of 4 tiles at once, on wgmma, for DeepSeek-V3's 256 experts: its ROUTE phase took 152 instead of
+    249 SM-ms on the H200 but the kernel was not faster; RESULTS.md, ninth session.)"""
+    RD: tl.constexpr = logits.dtype.element_ty
+    lg = router_logits(tile * BT, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD, HAS_RB, BT, BLOCK_E, BKR,
+                       ROUTER_PRECISION)
     if RET_LOGITS:
-        tl.store(logits + rows64[:, None] * E + cols_e[None, :], lg, mask=rmask[:, None] & emask[None, :])
+        rows = tile * BT + tl.arange(0, BT)
+        cols_e = tl.arange(0, BLOCK_E)
+        tl.store(logits + rows.to(tl.int64)[:, None] * E + cols_e[None, :], lg,
+                 mask=(rows < T)[:, None] & (cols_e < E)[None, :])
+    select_tile(tile, lg, cb, ids_ptr, w_ptr, rank_ptr, counts, T, E, rsf, eps, NORM, SCALED, SIGMOID, HAS_CB, N_GROUP,
+                TOPK_GROUP, SD_ROUND, CD_ROUND, TOP_K, KP, BT, BLOCK_E, RD)
+
+
+@triton.jit
+def select_tile(tile, lg, cb, ids_ptr, w_ptr, rank_ptr, counts, T, E, rsf, eps,
+                NORM: tl.constexpr, SCALED: tl.constexpr, SIGMOID: tl.constexpr, HAS_CB: tl.constexpr,
+                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SD_ROUND: tl.constexpr, CD_ROUND: tl.constexpr,
+                TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr, RD: tl.constexpr):
+    """Scores, top-k, weights and per-expert ranks of token tile `tile` from its logits lg [BT, BLOCK_E] (values of
+    RD). SD_ROUND: the scores' dtype is the logits dtype RD (sigmoid of non-fp32 logits), so every op on them rounds
+    to RD; CD_ROUND: the same for the selection values scores + score_correction_bias."""
+    rows = tile * BT + tl.arange(0, BT)
+    rmask = rows < T
+    rows64 = rows.to(tl.int64)
+    cols_e = tl.arange(0, BLOCK_E)
+    emask = cols_e < E
+    colk = tl.arange(0, KP)
     lf = tl.where(emask[None, :], lg.to(tl.float32), float("-inf"))
     if SIGMOID:
         scores = _round(1.0 / (1.0 + tl.exp(-lf)), RD, SD_ROUND)

@@ -7,9 +7,10 @@ Per kind (ROUTE, SCAN, SCATTER, UP, DOWN, FOLD): tasks, SM-time spent waiting (c
 (wait over -> done) in SM-ms (summed over programs), mean work per task, first claim and last finish from the
 launch's first claim. Then the timeline in --bins slices: the share of the programs' time working on each kind,
 waiting, and outside any task (between a finish and the next claim, or after a program's last task). The traced
-build stores 4 words a task; its time is printed beside the plain kernel's (do_bench median) to show what the
-trace costs. DeepSeek-V3 runs its real router (sigmoid, 8 groups / top-4 groups, correction bias, scaling 2.5,
-fp32 router): the fused forward, which by default only runs with KOSMOS_FUSED_MOE=forward for that router.
+build stores 4 words a task; its time is printed beside the plain kernel's (measure.bench_calls median: 10+ calls,
+L2 flushed) to show what the trace costs. --variants "default;bt=64" traces each layer
+once per variant: MoeConfig fields replaced on forward_configs' first config ("default": that config itself).
+DeepSeek-V3 runs its real router (sigmoid, 8 groups / top-4 groups, correction bias, scaling 2.5, fp32 router).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import json
 
 import torch
 
+from measure import bench_calls
 from moe import LAYERS
 
 KINDS = ("ROUTE", "SCAN", "SCATTER", "UP", "DOWN", "FOLD")
@@ -92,7 +94,7 @@ def summarize(trace: torch.Tensor, edges, programs: int, bins: int) -> dict:
 
 
 def main(argv=None) -> int:
-    import triton
+    import dataclasses
 
     from kosmos.kernels import moe, runtime
 
@@ -101,13 +103,18 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, default=16384)
     p.add_argument("--bins", type=int, default=20)
     p.add_argument("--json", default="")
+    p.add_argument("--variants", default="default", help="';'-separated variants, each 'default' or field=value,...")
     args = p.parse_args(argv)
     results = []
-    for layer in args.layers.split(","):
+    runs = [(layer, variant) for layer in args.layers.split(",") for variant in args.variants.split(";")]
+    for layer, variant in runs:
         (hidden, rw, rb, corr, gu, down, k), kw = layer_inputs(layer, args.T)
         T, H = hidden.shape
         E, two_i, _ = gu.shape
         cfg = moe.forward_configs(hidden, gu)[0]
+        if variant != "default":
+            fields = dict(kv.split("=") for kv in variant.split(","))
+            cfg = dataclasses.replace(cfg, **{f: type(getattr(cfg, f))(int(v)) for f, v in fields.items()})
         edges = bounds(T, H, two_i // 2, E, k, cfg)
         assert edges[-1] == moe.num_tasks(T, H, two_i // 2, E, k, cfg)
         trace = torch.zeros(edges[-1], 4, dtype=torch.int64, device="cuda")
@@ -119,14 +126,14 @@ def main(argv=None) -> int:
             return moe.moe_forward(hidden, rw, rb, corr, gu, down, k, **kw, config=cfg, trace=trace)
 
         assert all(torch.equal(a, b) for a, b in zip(plain(), traced())), "the trace changed the results"
-        ms_plain = triton.testing.do_bench(plain, warmup=10, rep=60, return_mode="median")
-        ms_traced = triton.testing.do_bench(traced, warmup=10, rep=60, return_mode="median")
+        ms_plain = bench_calls(plain, 100, 300)
+        ms_traced = bench_calls(traced, 100, 300)
         traced()
         torch.cuda.synchronize()
         res = summarize(trace, edges, runtime.num_sms(hidden.device), args.bins)
         res.update(layer=layer, T=T, config=str(cfg), ms_plain=ms_plain, ms_traced=ms_traced)
         results.append(res)
-        print(f"\n## {layer} T={T}: kernel {ms_plain:.3f} ms (traced build {ms_traced:.3f}); traced span "
+        print(f"\n## {layer} T={T} {variant}: kernel {ms_plain:.3f} ms (traced build {ms_traced:.3f}); traced span "
               f"{res['span_us'] / 1e3:.3f} ms on {res['programs']} programs, {100 * res['busy_share']:.1f}% of "
               f"SM-time in task work")
         print(f"{'kind':8} {'tasks':>7} {'wait SM-ms':>11} {'work SM-ms':>11} {'us/task':>8} {'first us':>9} "

@@ -23,7 +23,8 @@ CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renor
          "all_on_one_expert", "many_blocks_per_expert", "mixed_hidden_fp32_weights_fp16", "top2_one_token",
          "counters_zeroed_and_error_word", "deepseek_v3_router_fp32", "sigmoid_fp16_plain",
          "softmax_grouped_corrected_fp16", "saved_up_fp16_ragged_two_i_chunks", "saved_up_empty_experts",
-         "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token", "trace_rows"]
+         "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token", "trace_rows",
+         "exception_midway_leaves_counters_zeroed"]
 
 
 # ----------------------------------------------------------------------------------------------- cases (subprocess)
@@ -304,6 +305,30 @@ def case_trace_rows(torch):
     except ValueError as e:
         assert "trace must be int64" in str(e), e
     return {"tasks": n}
+
+
+def case_exception_midway_leaves_counters_zeroed(torch):
+    # a 24-token tile is no power of two: tl.arange raises inside the first ROUTE task, after the claim; the launcher
+    # zeroes the counters, so the next launch runs at once instead of spinning to the bound on a stale claim
+    import dataclasses
+
+    from kosmos.kernels import moe, runtime
+
+    h, rw, gu, d = _inputs(torch, 20, 32, 16, 4, torch.float16, 17)
+    try:
+        moe.moe_forward(h, rw, None, None, gu, d, 2, config=dataclasses.replace(moe.CONFIGS["interpret"], bt=24))
+        raise AssertionError("a 24-token tile ran")
+    except Exception as e:  # noqa: BLE001  (the interpreter's error type)
+        assert "power of 2" in str(e), e
+    ctl = moe.control(h.device)
+    assert int(ctl.ctrl.abs().sum()) == 0, ctl.ctrl.tolist()
+    runtime.set_spin_timeout(5.0)
+    try:
+        out = moe.moe_forward(h, rw, None, None, gu, d, 2)[0]
+    finally:
+        runtime.set_spin_timeout(None)
+    assert torch.isfinite(out).all()
+    return {}
 
 
 def _main():

@@ -490,6 +490,19 @@ class _Control:
     def after_launch(self) -> None:
         runtime.check_after_launch(self.device, self.check)
 
+    def launch(self, kernel, grid, args, meta: dict) -> None:
+        """kernel[grid](*args, **meta) under the lock, then after_launch. Under the interpreter an exception can stop
+        the programs midway, leaving their claims in the counters (every later launch would spin to the bound), so
+        the counters are zeroed before it propagates; on a GPU a launch that raises has not started."""
+        with self.lock:
+            try:
+                kernel[grid](*args, **meta)
+            except Exception:
+                if runtime.interpreting():
+                    self.ctrl.zero_()
+                raise
+        self.after_launch()
+
 
 _controls: dict = {}
 _controls_lock = threading.Lock()
@@ -607,9 +620,7 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
     runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,
                                                  tuple(sorted((k, str(v)) for k, v in meta_kw.items()))),
                             grid, device, args, meta_kw)
-    with ctl.lock:
-        moe_forward_kernel[grid](*args, **meta_kw)
-    ctl.after_launch()
+    ctl.launch(moe_forward_kernel, grid, args, meta_kw)
     res = (out, logits, tpe)
     if save_up:
         res = res + (saved_up,)

@@ -692,8 +692,6 @@ def moe_backward(grad_out: torch.Tensor, grad_router_logits: Optional[torch.Tens
     runtime.check_grid_fits(moe_backward_kernel, ("moe_bwd", hidden.dtype, W, D, rd, grad_out.dtype,
                                                   tuple(sorted((k, str(v)) for k, v in meta_kw.items()))),
                             grid, device, args, meta_kw)
-    with ctl.lock:
-        moe_backward_kernel[grid](*args, **meta_kw)
-    ctl.after_launch()
+    ctl.launch(moe_backward_kernel, grid, args, meta_kw)
     grads = [d_hidden, d_rw, d_gu, d_down] + ([d_rb] if d_rb is not None else [])
     return (grads, (ids, wts)) if return_routing else grads

@@ -20,6 +20,9 @@ CONFIGS = {  # name -> MoeConfig fields replaced on the default
     "bi128_s4": dict(bi=128, num_stages=4),
     "bn256": dict(bn=256),
     "bi128_bn256": dict(bi=128, bn=256),
+    # WIDE_FORWARD with 4 stages: 196640 / 200704 bytes of shared memory for the Qwen3 / DeepSeek-V3 builds (sm_90
+    # compile on the CPU, ninth session), no wgmma serialization; not timed yet
+    "bi128_bn256_s4": dict(bi=128, bn=256, num_stages=4),
     "bk128": dict(bk=128, bk2=128, num_stages=2),
     "w4": dict(num_warps=4),
 }

@@ -1,10 +1,14 @@
-"""Median time of the fused MoE forward kernel alone (kosmos.kernels.moe.moe_forward, its default config) on one
-layer's dims and router (moe_trace.layer_inputs: random weights, DeepSeek-V3's real router), after 2 s of heating:
-measure.bench_calls (>= 20 calls, L2 flushed). To compare two kernel builds, run it from two checkouts in
-alternation on the same GPU (each process imports the kosmos of its own tree):
+"""Median time of the fused MoE forward kernel alone (kosmos.kernels.moe.moe_forward) on one layer's dims and router
+(moe_trace.layer_inputs: random weights, DeepSeek-V3's real router), after 2 s of heating: measure.bench_calls
+(>= 20 calls, L2 flushed). --variants times MoeConfig variants of forward_configs' first config in --rounds
+interleaved rounds (one process: each build compiles once); to compare two kernel trees, run it from both checkouts
+in alternation on the same GPU (each process imports the kosmos of its own tree):
 
+    PYTHONPATH=.:benchmarks python3 benchmarks/moe_kernel_time.py --layer deepseek_v3 --variants "default;num_stages=4"
     PYTHONPATH=.:benchmarks python3 benchmarks/moe_kernel_time.py --layer deepseek_v3 --tag new
     (cd ../old && PYTHONPATH=.:benchmarks python3 benchmarks/moe_kernel_time.py --layer deepseek_v3 --tag old)
+
+The ninth session ran the first form of this script (default config, --tag only) from two checkouts.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import argparse
 import torch
 
 from measure import bench_calls, heat
-from moe_trace import layer_inputs
+from moe_trace import config_variant, layer_inputs
 
 
 def main() -> None:
@@ -22,17 +26,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layer", default="deepseek_v3")
     p.add_argument("--T", type=int, default=16384)
-    p.add_argument("--tag", default="", help="a label for the printed line")
+    p.add_argument("--variants", default="default", help="';'-separated: 'default' or field=value,...")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--tag", default="", help="a label for the printed lines")
     args = p.parse_args()
     (hidden, rw, rb, corr, gu, down, k), kw = layer_inputs(args.layer, args.T)
-
-    def forward():
-        return moe.moe_forward(hidden, rw, rb, corr, gu, down, k, **kw)
-
-    forward()
+    base = moe.forward_configs(hidden, gu)[0]
+    variants = args.variants.split(";")
+    fns = {}
+    for v in variants:
+        cfg = config_variant(base, v)
+        fns[v] = lambda cfg=cfg: moe.moe_forward(hidden, rw, rb, corr, gu, down, k, **kw, config=cfg)
+        fns[v]()  # compile
     torch.cuda.synchronize()
-    heat(forward, 2.0)
-    print(f"AB {args.tag} {args.layer} {bench_calls(forward, 200, 600, 20):.3f} ms", flush=True)
+    heat(fns[variants[0]], 2.0)
+    for r in range(args.rounds):
+        for v in variants:
+            print(f"AB {args.tag} {args.layer} round {r} {v}: {bench_calls(fns[v], 200, 600, 20):.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ DeepSeek-V3 runs its real router (sigmoid, 8 groups / top-4 groups, correction b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -40,6 +41,14 @@ def layer_inputs(layer: str, T: int, device="cuda", dtype=torch.bfloat16):
         return (hidden, rw, None, corr, gu, down, k), kw
     rw = torch.randn(E, H, device=device, dtype=dtype, generator=g) / H**0.5
     return (hidden, rw, None, None, gu, down, k), dict(scoring="softmax", norm_topk_prob=True)
+
+
+def config_variant(base, variant: str):
+    """'default' (base itself) or 'field=value,...' (MoeConfig fields replaced; ints, bools as 0 / 1)."""
+    if variant == "default":
+        return base
+    fields = dict(kv.split("=") for kv in variant.split(","))
+    return dataclasses.replace(base, **{f: type(getattr(base, f))(int(v)) for f, v in fields.items()})
 
 
 def bounds(T, H, I, E, k, cfg):
@@ -94,8 +103,6 @@ def summarize(trace: torch.Tensor, edges, programs: int, bins: int) -> dict:
 
 
 def main(argv=None) -> int:
-    import dataclasses
-
     from kosmos.kernels import moe, runtime
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,9 +119,7 @@ def main(argv=None) -> int:
         T, H = hidden.shape
         E, two_i, _ = gu.shape
         cfg = moe.forward_configs(hidden, gu)[0]
-        if variant != "default":
-            fields = dict(kv.split("=") for kv in variant.split(","))
-            cfg = dataclasses.replace(cfg, **{f: type(getattr(cfg, f))(int(v)) for f, v in fields.items()})
+        cfg = config_variant(cfg, variant)
         edges = bounds(T, H, two_i // 2, E, k, cfg)
         assert edges[-1] == moe.num_tasks(T, H, two_i // 2, E, k, cfg)
         trace = torch.zeros(edges[-1], 4, dtype=torch.int64, device="cuda")

@@ -62,9 +62,9 @@ def router_logits(row0, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD: tl.constexpr, 
             w32 = w.to(tl.float32)
             w_hi = _tf32_round(w32)
             w_lo = _tf32_round(w32 - w_hi)
-            # the K block's two products summed on the tensor cores, then added to acc by an fp32 add: a tensor-core
-            # accumulator carried over all of H drifts (85x cuBLAS fp32's error vs fp64 on the H200, DeepSeek-V3's
-            # router), as tl.dot's own tf32x3 avoids the same way
+            # each K block's two products are summed on the tensor cores and added to acc in fp32, as tl.dot's
+            # tf32x3 does: one tensor-core accumulator carried over all of H drifted to 85x cuBLAS fp32's error vs
+            # fp64 (H200, DeepSeek-V3's router)
             part = tl.dot(x.to(tl.float32), tl.trans(w_lo), input_precision="tf32")
             acc += tl.dot(x.to(tl.float32), tl.trans(w_hi), part, input_precision="tf32")
         else:
@@ -83,8 +83,8 @@ def route_tile(tile, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, ra
                BKR: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
     """ROUTE task of token tile `tile`: router logits (stored with RET_LOGITS), then the selection (select_tile).
 
-    (A router GEMM of 4 tiles at once, on wgmma, for DeepSeek-V3's 256 experts: its ROUTE phase took 152 instead of
-    249 SM-ms on the H200 but the kernel was not faster; RESULTS.md, ninth session.)"""
+    (Tried on the H200 for DeepSeek-V3's 256 experts: one router GEMM for 4 tiles at once, on wgmma; the kernel was
+    not faster. RESULTS.md, ninth session.)"""
     RD: tl.constexpr = logits.dtype.element_ty
     lg = router_logits(tile * BT, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD, HAS_RB, BT, BLOCK_E, BKR,
                        ROUTER_PRECISION)

@@ -75,6 +75,25 @@ def test_gemm_rs(pairs):
     assert rep["spill_stores"] == 0, rep["text"]
 
 
+def _compile_moe_forward(cfg, consts: dict, router: str):
+    """moe_forward_kernel for sm_90 with saved_up, as its launcher builds it: bf16 expert weights and hidden states,
+    the router weight, biases and logits of dtype `router`."""
+    from kosmos.kernels import moe
+
+    return compile_sm90(moe.moe_forward_kernel,
+                        dict(**consts, RET_LOGITS=False, BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
+                             BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=True, USE_ASM=True,
+                             TRACE=False),
+                        dict(ctrl="i32", hidden=BF, rw=router, rb=router, cb=router, logits=router, ids_ptr="i32",
+                             w_ptr="fp32", rank_ptr="i32", counts="i32", meta="i32", tpe="i32", x_sorted=BF, act=BF,
+                             saved_up=BF, y=BF, out=BF, trace="i64"),
+                        dict(x_desc=(torch.bfloat16, (cfg.bm, cfg.bk)), gu_desc=(torch.bfloat16, (cfg.bi, cfg.bk)),
+                             down_desc=(torch.bfloat16, (cfg.bn, cfg.bk2)),
+                             act_desc=(torch.bfloat16, (cfg.bm, cfg.bk2))),
+                        int64=("err_host", "timeout_ns"), floats=("rsf", "eps"),
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def test_moe_forward():
     """The MoE forward kernel as the Qwen3 layers run it (wide tiles, bf16, saved up projection): no wgmma
     serialization. It does spill (255 registers: the router's [BT, E] tiles); the K loops reload 1-3 values."""
@@ -85,18 +104,7 @@ def test_moe_forward():
     cfg = dataclasses.replace(moe.CONFIGS["default"], **moe.WIDE_FORWARD)
     consts = moe.routing_constexprs("softmax", True, 1, 1, 1.0, torch.bfloat16, None, None, 8, 128, torch.bfloat16,
                                     torch.bfloat16)
-    k = compile_sm90(moe.moe_forward_kernel,
-                     dict(**consts, RET_LOGITS=False, BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
-                          BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=True, USE_ASM=True,
-                          TRACE=False),
-                     dict(ctrl="i32", hidden=BF, rw=BF, rb=BF, cb=BF, logits=BF, ids_ptr="i32", w_ptr="fp32",
-                          rank_ptr="i32", counts="i32", meta="i32", tpe="i32", x_sorted=BF, act=BF, saved_up=BF, y=BF,
-                          out=BF, trace="i64"),
-                     dict(x_desc=(torch.bfloat16, (cfg.bm, cfg.bk)), gu_desc=(torch.bfloat16, (cfg.bi, cfg.bk)),
-                          down_desc=(torch.bfloat16, (cfg.bn, cfg.bk2)), act_desc=(torch.bfloat16, (cfg.bm, cfg.bk2))),
-                     int64=("err_host", "timeout_ns"), floats=("rsf", "eps"),
-                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _report(k)
+    _report(_compile_moe_forward(cfg, consts, BF))
 
 
 def test_moe_forward_deepseek_router():
@@ -110,15 +118,4 @@ def test_moe_forward_deepseek_router():
     consts = moe.routing_constexprs("sigmoid", True, 8, 4, 2.5, torch.float32, None, torch.zeros(1), 8, 256,
                                     torch.bfloat16, torch.bfloat16, torch.bfloat16)
     assert consts["ROUTER_PRECISION"] == "tf32x3"
-    k = compile_sm90(moe.moe_forward_kernel,
-                     dict(**consts, RET_LOGITS=False, BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
-                          BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=True, USE_ASM=True,
-                          TRACE=False),
-                     dict(ctrl="i32", hidden=BF, rw="fp32", rb="fp32", cb="fp32", logits="fp32", ids_ptr="i32",
-                          w_ptr="fp32", rank_ptr="i32", counts="i32", meta="i32", tpe="i32", x_sorted=BF, act=BF,
-                          saved_up=BF, y=BF, out=BF, trace="i64"),
-                     dict(x_desc=(torch.bfloat16, (cfg.bm, cfg.bk)), gu_desc=(torch.bfloat16, (cfg.bi, cfg.bk)),
-                          down_desc=(torch.bfloat16, (cfg.bn, cfg.bk2)), act_desc=(torch.bfloat16, (cfg.bm, cfg.bk2))),
-                     int64=("err_host", "timeout_ns"), floats=("rsf", "eps"),
-                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _report(k)
+    _report(_compile_moe_forward(cfg, consts, "fp32"))

@@ -36,22 +36,22 @@ def _tf32_round(x):
 
 
 @triton.jit
-def router_logits(row0, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD: tl.constexpr, HAS_RB: tl.constexpr,
-                  RT: tl.constexpr, BLOCK_E: tl.constexpr, BKR: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
-    """Router logits of tokens row0 .. row0+RT-1 as [RT, BLOCK_E] fp32 values of dtype RD (x @ W^T + bias, rounded
-    to RD; rows past T read zeros).
+def router_logits(tile, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD: tl.constexpr, HAS_RB: tl.constexpr,
+                  BT: tl.constexpr, BLOCK_E: tl.constexpr, BKR: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
+    """Router logits of token tile `tile` as [BT, BLOCK_E] fp32 values of dtype RD (x @ W^T + bias, rounded to RD;
+    rows past T read zeros).
 
     "tf32x3" on 16-bit hidden states (moe_ops.router_precision): the hidden value is exact in TF32, so of the three
     products of the 3xTF32 split only two are not zero: x @ hi(W) + x @ lo(W), with hi = W rounded to TF32 and lo =
     the rest rounded to TF32 (|W - hi - lo| <= 2**-22 |W|): two tensor-core dots instead of tl.dot's three."""
-    rows = row0 + tl.arange(0, RT)
+    rows = tile * BT + tl.arange(0, BT)
     rmask = rows < T
     rows64 = rows.to(tl.int64)
     cols_e = tl.arange(0, BLOCK_E)
     emask = cols_e < E
     SPLIT_W: tl.constexpr = ROUTER_PRECISION == "tf32x3"
     X16: tl.constexpr = hidden.dtype.element_ty != tl.float32
-    acc = tl.zeros((RT, BLOCK_E), dtype=tl.float32)
+    acc = tl.zeros((BT, BLOCK_E), dtype=tl.float32)
     for k0 in range(0, H, BKR):
         ks = k0 + tl.arange(0, BKR)
         kmask = ks < H
@@ -65,8 +65,9 @@ def router_logits(row0, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD: tl.constexpr, 
             # each K block's two products are summed on the tensor cores and added to acc in fp32, as tl.dot's
             # tf32x3 does: one tensor-core accumulator carried over all of H drifted to 85x cuBLAS fp32's error vs
             # fp64 (H200, DeepSeek-V3's router)
-            part = tl.dot(x.to(tl.float32), tl.trans(w_lo), input_precision="tf32")
-            acc += tl.dot(x.to(tl.float32), tl.trans(w_hi), part, input_precision="tf32")
+            x32 = x.to(tl.float32)
+            part = tl.dot(x32, tl.trans(w_lo), input_precision="tf32")
+            acc += tl.dot(x32, tl.trans(w_hi), part, input_precision="tf32")
         else:
             acc = tl.dot(x.to(RD), tl.trans(w.to(RD)), acc, input_precision=ROUTER_PRECISION)
     if HAS_RB:
@@ -86,8 +87,7 @@ def route_tile(tile, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, ra
     (Tried on the H200 for DeepSeek-V3's 256 experts: one router GEMM for 4 tiles at once, on wgmma; the kernel was
     not faster. RESULTS.md, ninth session.)"""
     RD: tl.constexpr = logits.dtype.element_ty
-    lg = router_logits(tile * BT, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD, HAS_RB, BT, BLOCK_E, BKR,
-                       ROUTER_PRECISION)
+    lg = router_logits(tile, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD, HAS_RB, BT, BLOCK_E, BKR, ROUTER_PRECISION)
     if RET_LOGITS:
         rows = tile * BT + tl.arange(0, BT)
         cols_e = tl.arange(0, BLOCK_E)

@@ -848,8 +848,8 @@ def _check_saved_state(saved_up, topk_ids, hidden, gate_up_proj, top_k, ep_group
         if tuple(saved_up.shape) != want or saved_up.dtype != gate_up_proj.dtype:
             raise ValueError(f"kosmos::moe_layer_backward: saved_up {tuple(saved_up.shape)} {saved_up.dtype} is not "
                              f"moe_layer's saved up output {want} {gate_up_proj.dtype}")
-    # topk_ids [0, k] means "not saved" (EP), unless there are no tokens at all
-    forward_ids = None if topk_ids is None or (topk_ids.numel() == 0 and hidden.shape[0] > 0) else topk_ids
+    # under EP moe_layer returns topk_ids [0, k]: the EP backward selects again (as saved_up_rows says for saved_up)
+    forward_ids = topk_ids if topk_ids is not None and ep_group_name is None else None
     if forward_ids is not None and (tuple(forward_ids.shape) != (hidden.shape[0], top_k)
                                     or forward_ids.dtype.is_floating_point):
         raise ValueError(f"kosmos::moe_layer_backward: topk_ids {tuple(forward_ids.shape)} {forward_ids.dtype} is not "

@@ -23,7 +23,8 @@ import torch
 from measure import bench_calls
 from moe import LAYERS
 
-KINDS = ("ROUTE", "SCAN", "SCATTER", "UP", "DOWN", "FOLD")
+from kosmos.kernels.moe import KINDS
+
 
 
 def layer_inputs(layer: str, T: int, device="cuda", dtype=torch.bfloat16):
@@ -51,31 +52,26 @@ def config_variant(base, variant: str):
     return dataclasses.replace(base, **{f: type(getattr(base, f))(int(v)) for f, v in fields.items()})
 
 
-def bounds(T, H, I, E, k, cfg):
-    """First task index of each kind (and the task count last)."""
-    import triton
+def task_kinds(T, H, I, E, k, cfg) -> torch.Tensor:
+    """The kind (index into KINDS) of every task of the launch (moe.TaskLayout: with fold_groups > 1 the DOWN and
+    FOLD tasks interleave)."""
+    from kosmos.kernels.moe import TaskLayout
 
-    from kosmos.kernels.moe import max_blocks
-
-    n_tiles = triton.cdiv(T, cfg.bt)
-    mb = max_blocks(T * k, E, cfg.bm)
-    up0 = 2 * n_tiles + 1
-    down0 = up0 + mb * triton.cdiv(I, cfg.bi)
-    fold0 = down0 + mb * triton.cdiv(H, cfg.bn)
-    return [0, n_tiles, n_tiles + 1, up0, down0, fold0, fold0 + n_tiles]
+    lay = TaskLayout.of(T, H, I, E, k, cfg)
+    return torch.tensor([lay.kind_of(t)[0] for t in range(lay.num_tasks)])
 
 
-def summarize(trace: torch.Tensor, edges, programs: int, bins: int) -> dict:
+def summarize(trace: torch.Tensor, kinds_of: torch.Tensor, programs: int, bins: int) -> dict:
     tr = trace.cpu().double()
     t0 = tr[:, 0].min()
     claim, waited, done = tr[:, 0] - t0, tr[:, 1] - t0, tr[:, 2] - t0
     span = float(done.max())
     kinds = {}
     for i, name in enumerate(KINDS):
-        sl = slice(edges[i], edges[i + 1])
+        sl = kinds_of == i
         wait = (waited[sl] - claim[sl]).clamp_min(0)
         work = (done[sl] - waited[sl]).clamp_min(0)
-        kinds[name] = dict(tasks=edges[i + 1] - edges[i], wait_sm_ms=float(wait.sum()) / 1e6,
+        kinds[name] = dict(tasks=int(sl.sum()), wait_sm_ms=float(wait.sum()) / 1e6,
                            work_sm_ms=float(work.sum()) / 1e6, mean_work_us=float(work.mean()) / 1e3,
                            first_us=float(claim[sl].min()) / 1e3, last_us=float(done[sl].max()) / 1e3)
     # timeline: per bin, the SM-time of each kind's work, of every wait, and outside tasks
@@ -88,7 +84,7 @@ def summarize(trace: torch.Tensor, edges, programs: int, bins: int) -> dict:
     timeline = []
     per_kind = {}
     for i, name in enumerate(KINDS):
-        sl = slice(edges[i], edges[i + 1])
+        sl = kinds_of == i
         per_kind[name] = overlap(waited[sl], done[sl])
     waits = overlap(claim, waited)
     cap = (hi - lo) * programs
@@ -120,9 +116,8 @@ def main(argv=None) -> int:
         E, two_i, _ = gu.shape
         cfg = moe.forward_configs(hidden, gu)[0]
         cfg = config_variant(cfg, variant)
-        edges = bounds(T, H, two_i // 2, E, k, cfg)
-        assert edges[-1] == moe.num_tasks(T, H, two_i // 2, E, k, cfg)
-        trace = torch.zeros(edges[-1], 4, dtype=torch.int64, device="cuda")
+        kinds_of = task_kinds(T, H, two_i // 2, E, k, cfg)
+        trace = torch.zeros(len(kinds_of), 4, dtype=torch.int64, device="cuda")
 
         def plain():
             return moe.moe_forward(hidden, rw, rb, corr, gu, down, k, **kw, config=cfg)
@@ -135,7 +130,7 @@ def main(argv=None) -> int:
         ms_traced = bench_calls(traced, 100, 300)
         traced()
         torch.cuda.synchronize()
-        res = summarize(trace, edges, runtime.num_sms(hidden.device), args.bins)
+        res = summarize(trace, kinds_of, runtime.num_sms(hidden.device), args.bins)
         res.update(layer=layer, T=T, config=str(cfg), ms_plain=ms_plain, ms_traced=ms_traced)
         results.append(res)
         print(f"\n## {layer} T={T} {variant}: kernel {ms_plain:.3f} ms (traced build {ms_traced:.3f}); traced span "

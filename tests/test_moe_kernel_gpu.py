@@ -161,6 +161,30 @@ def test_bit_identical_over_grid_sizes():
                 assert torch.equal(a, b), programs
 
 
+def test_fold_groups_bit_identical_over_grid_sizes():
+    """DOWN / FOLD in column groups (MoeConfig.fold_groups): the folds of a group run beside the next group's DOWN
+    tiles on other SMs; the bits are those of one group for every grid size (H = 1280: five 256-column chunks, so
+    2 / 4 / 8 groups leave a short last group or clamp to 5)."""
+    import dataclasses
+
+    from kosmos.kernels import moe
+
+    h, rw, gu, d = make(3000, 1280, 256, 32, torch.bfloat16, seed=8)
+    base = moe.forward_configs(h, gu)[0]
+    first = moe.moe_forward(h, rw, None, None, gu, d, 4, return_router_logits=True, return_routing=True,
+                            save_up=True, config=base)
+    run_and_check(h, rw, gu, d, 4)
+    for groups in (2, 4, 8):
+        cfg = dataclasses.replace(base, fold_groups=groups)
+        for programs in (None, 5, 17):
+            again = moe.moe_forward(h, rw, None, None, gu, d, 4, return_router_logits=True, return_routing=True,
+                                    save_up=True, config=cfg, programs=programs)
+            for a, b in zip(first, again):
+                assert torch.equal(a, b), (groups, programs)
+    torch.cuda.synchronize()
+    assert int(moe.control(h.device).ctrl.abs().sum()) == 0  # the group counters zeroed too
+
+
 def test_cuda_graph_replay_with_changing_inputs():
     from kosmos.kernels.moe import moe_forward
 

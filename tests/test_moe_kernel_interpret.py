@@ -24,7 +24,7 @@ CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renor
          "counters_zeroed_and_error_word", "deepseek_v3_router_fp32", "sigmoid_fp16_plain",
          "softmax_grouped_corrected_fp16", "saved_up_fp16_ragged_two_i_chunks", "saved_up_empty_experts",
          "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token", "trace_rows",
-         "exception_midway_leaves_counters_zeroed"]
+         "exception_midway_leaves_counters_zeroed", "fold_groups_same_bits", "task_kind_matches_layout"]
 
 
 # ----------------------------------------------------------------------------------------------- cases (subprocess)
@@ -307,6 +307,70 @@ def case_trace_rows(torch):
     return {"tasks": n}
 
 
+def case_fold_groups_same_bits(torch):
+    # DOWN / FOLD in column groups (fold_groups): the same bits as one group, for every grid size; H = 160 is 5
+    # chunks of 32 columns, so 2 and 3 groups leave a short last group and 16 clamps to 5 groups of one chunk
+    import dataclasses
+
+    from kosmos.kernels import moe
+
+    h, rw, gu, d = _inputs(torch, 45, 160, 48, 5, torch.float16, 19)
+    base = moe.CONFIGS["interpret"]
+    args = (h, rw, None, None, gu, d, 2)
+    with _NanWorkspaces(torch):
+        ref = moe.moe_forward(*args, config=base, return_routing=True, save_up=True)
+    groups = {}
+    for g in (2, 3, 16):
+        cfg = dataclasses.replace(base, fold_groups=g)
+        groups[g] = moe.TaskLayout.of(45, 160, 48, 5, 2, cfg).groups
+        for p in (1, 3):
+            with _NanWorkspaces(torch):
+                run = moe.moe_forward(*args, config=cfg, programs=p, return_routing=True, save_up=True)
+            assert all(_same_bits(torch, a, b) for a, b in zip(ref, run)), f"fold_groups={g} programs={p} differs"
+            ctl = moe.control(h.device)
+            assert int(ctl.ctrl.abs().sum()) == 0, ctl.ctrl.tolist()  # the group counters zeroed too
+    try:
+        moe.moe_forward(*args, config=dataclasses.replace(base, fold_groups=17))
+        raise AssertionError("fold_groups=17 ran")
+    except ValueError as e:
+        assert "fold_groups 17" in str(e), e
+    assert torch.isfinite(ref[0]).all()
+    return {"groups": groups}
+
+
+def case_task_kind_matches_layout(torch):
+    # the kernel's task arithmetic (_task_kind) against the host's TaskLayout.kind_of, task by task
+    import dataclasses
+
+    import triton
+    import triton.language as tl
+
+    from kosmos.kernels import moe
+
+    global _task_kind  # a jit function finds the functions it calls in its module's globals
+    _task_kind = moe._task_kind
+
+    @triton.jit
+    def kinds(out, n, scan_task, scatter0, up0, down0, n_down, n_tiles, G: tl.constexpr):
+        for t in range(n):
+            kind, grp, idx = _task_kind(t, scan_task, scatter0, up0, down0, n_down, n_tiles, G)
+            tl.store(out + 3 * t, kind)
+            tl.store(out + 3 * t + 1, grp)
+            tl.store(out + 3 * t + 2, idx)
+
+    checked = 0
+    for T, H, g in ((45, 160, 1), (45, 160, 2), (45, 160, 3), (7, 96, 16), (33, 64, 2)):
+        cfg = dataclasses.replace(moe.CONFIGS["interpret"], fold_groups=g)
+        lay = moe.TaskLayout.of(T, H, 48, 5, 2, cfg)
+        out = torch.full((lay.num_tasks, 3), -7, dtype=torch.int32)
+        kinds[(1,)](out, lay.num_tasks, lay.n_tiles, lay.n_tiles + 1, lay.up0, lay.down0, lay.n_down, lay.n_tiles,
+                    lay.groups)
+        host = torch.tensor([lay.kind_of(t) for t in range(lay.num_tasks)], dtype=torch.int32)
+        assert torch.equal(out, host), (T, H, g, out.tolist(), host.tolist())
+        checked += lay.num_tasks
+    return {"tasks": checked}
+
+
 def case_exception_midway_leaves_counters_zeroed(torch):
     # a 24-token tile is no power of two: tl.arange raises inside the first ROUTE task, after the claim; the launcher
     # zeroes the counters, so the next launch runs at once instead of spinning to the bound on a stale claim
@@ -456,3 +520,36 @@ def test_op_on_cpu_takes_reference_with_reason(monkeypatch):
 
 if __name__ == "__main__":
     _main()
+
+
+@pytest.mark.parametrize("T,H,bn,groups", [(16384, 4096, 256, 1), (16384, 4096, 256, 4), (16384, 7168, 256, 4),
+                                           (45, 160, 32, 3), (7, 96, 32, 16), (1, 64, 32, 2)])
+def test_task_layout_puts_producers_first(T, H, bn, groups):
+    """The forward's DOWN / FOLD column groups (TaskLayout): every task once; every DOWN task after every UP task and
+    group g's folds after all of group g's DOWN tasks (the forward-progress rule: a wait is only ever on tasks
+    claimed earlier); the groups' folds in group order; a fold of group g before group g + 2's DOWN tasks begin, so
+    it overlaps group g + 1's."""
+    import dataclasses
+
+    from kosmos.kernels import moe
+
+    cfg = dataclasses.replace(moe.CONFIGS["default"], bn=bn, fold_groups=groups)
+    lay = moe.TaskLayout.of(T, H, 1536, 128, 8, cfg)
+    n_hblk = -(-H // bn)
+    assert lay.groups <= groups and (lay.groups - 1) * lay.hb_per < n_hblk <= lay.groups * lay.hb_per  # none empty
+    tasks = {}
+    for t in range(lay.num_tasks):
+        tasks.setdefault(lay.kind_of(t)[:2], []).append((t, lay.kind_of(t)[2]))
+    for (kind, grp), ts in tasks.items():
+        want = {0: lay.n_tiles, 1: 1, 2: lay.n_tiles, 3: lay.max_blocks * lay.n_iblk, 4: lay.n_down, 5: lay.n_tiles}
+        assert [i for _, i in ts] == list(range(want[kind])), (kind, grp)
+    assert {k for k in tasks if k[0] >= 4} == {(k, g) for g in range(lay.groups) for k in (4, 5)}
+    last_up = tasks[(3, 0)][-1][0]
+    for g in range(lay.groups):
+        assert tasks[(4, g)][0][0] > last_up
+        assert tasks[(5, g)][0][0] > tasks[(4, g)][-1][0]
+        if g + 1 < lay.groups:
+            assert tasks[(5, g + 1)][0][0] > tasks[(5, g)][-1][0]
+        if g + 2 < lay.groups:
+            assert tasks[(5, g)][-1][0] < tasks[(4, g + 2)][0][0]
+    assert lay.num_tasks == moe.num_tasks(T, H, 1536, 128, 8, cfg)

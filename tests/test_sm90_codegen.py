@@ -83,7 +83,7 @@ def _compile_moe_forward(cfg, consts: dict, router: str):
     return compile_sm90(moe.moe_forward_kernel,
                         dict(**consts, RET_LOGITS=False, BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
                              BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=True, USE_ASM=True,
-                             TRACE=False),
+                             FOLD_GROUPS=cfg.fold_groups, TRACE=False),
                         dict(ctrl="i32", hidden=BF, rw=router, rb=router, cb=router, logits=router, ids_ptr="i32",
                              w_ptr="fp32", rank_ptr="i32", counts="i32", meta="i32", tpe="i32", x_sorted=BF, act=BF,
                              saved_up=BF, y=BF, out=BF, trace="i64"),
@@ -94,14 +94,16 @@ def _compile_moe_forward(cfg, consts: dict, router: str):
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def test_moe_forward():
-    """The MoE forward kernel as the Qwen3 layers run it (wide tiles, bf16, saved up projection): no wgmma
-    serialization. It does spill (255 registers: the router's [BT, E] tiles); the K loops reload 1-3 values."""
+@pytest.mark.parametrize("fold_groups", [1, 4])
+def test_moe_forward(fold_groups):
+    """The MoE forward kernel as the Qwen3 layers run it (wide tiles, bf16, saved up projection; DOWN / FOLD in one
+    or four column groups): no wgmma serialization. It does spill (255 registers: the router's [BT, E] tiles); the
+    K loops reload 1-3 values."""
     import dataclasses
 
     from kosmos.kernels import moe
 
-    cfg = dataclasses.replace(moe.CONFIGS["default"], **moe.WIDE_FORWARD)
+    cfg = dataclasses.replace(moe.CONFIGS["default"], fold_groups=fold_groups, **moe.WIDE_FORWARD)
     consts = moe.routing_constexprs("softmax", True, 1, 1, 1.0, torch.bfloat16, None, None, 8, 128, torch.bfloat16,
                                     torch.bfloat16)
     _report(_compile_moe_forward(cfg, consts, BF))

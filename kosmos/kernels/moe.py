@@ -9,15 +9,21 @@ Task stream (programs claim task indices from ONE atomic counter in device memor
 arithmetic on its index; every producer precedes its consumers, so a wait is always on a task some running
 program has already claimed):
 
-    [ROUTE x n_tiles] [SCAN] [SCATTER x n_tiles] [UP x max_blocks*n_iblk] [DOWN x max_blocks*n_hblk] [FOLD x n_tiles]
+    [ROUTE x n_tiles] [SCAN] [SCATTER x n_tiles] [UP x max_blocks*n_iblk] [DOWN/FOLD of G column groups]
 
-Each kind waits for EVERY task of the kind before it (one phase counter per kind: routed, scanned, scattered,
-upped, downed). A program checks a phase counter once, before its first task of the next kind (its later tasks of
-that kind skip the wait), and adds its finished tasks to a counter in one release add when it claims a task of
-another kind or runs out of tasks (so it never waits holding unpublished work). Measured on the H200 (benchmarks/
-moe_trace.py, RESULTS.md eighth session): with a wait and a release per task (DOWN waited for its block's UP tiles
-only), the waits took 4-7% of the SM-time of the UP and DOWN phases (about 1.5 us a task), more than the phase
-barrier costs at the UP -> DOWN transition (SMs done early idle for part of an UP tile).
+    DOWN/FOLD (TaskLayout; G = MoeConfig.fold_groups, 1 by default): the H columns split into G groups of hb_per
+    column chunks of BN; group g's DOWN tasks (max_blocks*hb_per) and FOLD tasks (n_tiles) are laid out as
+    [D0] [D1] [F0] [D2] [F1] ... [D(G-1)] [F(G-2)] [F(G-1)]: the fold of group g is claimed while group g+1's
+    DOWN tiles run, so its memory traffic overlaps tensor-core work (with G = 1: [D0] [F0]).
+
+Each kind waits for EVERY task of the kind before it (one phase counter per kind: routed, scanned, scattered, upped;
+downed per column group, and FOLD of group g waits for group g's DOWN tasks only). A program checks a phase counter
+once, before its first task of the next kind (its later tasks of that kind skip the wait), and adds its finished
+tasks to a counter in one release add when it claims a task of another kind or runs out of tasks (so it never waits
+holding unpublished work). Measured on the H200 (benchmarks/moe_trace.py, RESULTS.md eighth session): with a wait
+and a release per task (DOWN waited for its block's UP tiles only), the waits took 4-7% of the SM-time of the UP and
+DOWN phases (about 1.5 us a task), more than the phase barrier costs at the UP -> DOWN transition (SMs done early
+idle for part of an UP tile).
 
 - ROUTE(tile of BT tokens): router GEMM (moe_route.router_logits: tl.dot over H, logits rounded to router_dtype, +
   router_bias; an fp32 router on 16-bit hidden states as two TF32 dots of the weight's split), softmax
@@ -42,10 +48,11 @@ barrier costs at the UP -> DOWN transition (SMs done early idle for part of an U
   T*k, and are never stored), SwiGLU with the reference's roundings (gate/up rounded to W, silu rounded, product
   rounded, cast to down_proj's dtype), masked store into act [T*k, I] (sorted rows); with save_up, gate / up
   rounded to W into saved_up row (sorted row + e + 1).
-- DOWN(block b, H-chunk nb): waits upped == max_blocks*n_iblk; y rows = act rows @ down_proj[e].T (the GEMM core's
-  gemm_tile: TMA descriptors over act [T*k, I] and down_proj viewed [E*H, I], fp32 accumulation over I), cast to
-  down_proj's dtype, masked store into y [T*k, H]. (Tasks of blocks past the real number count as done too.)
-- FOLD(tile): waits downed == max_blocks*n_hblk; out[t] = sum over j = 0..k-1 IN ORDER of
+- DOWN(block b, H-chunk nb of group g): waits upped == max_blocks*n_iblk (chunks past n_hblk: no-ops); y rows = act
+  rows @ down_proj[e].T (the GEMM core's gemm_tile: TMA descriptors over act [T*k, I] and down_proj viewed [E*H, I],
+  fp32 accumulation over I), cast to down_proj's dtype, masked store into y [T*k, H]. (Tasks of blocks past the real
+  number count as done too.)
+- FOLD(tile, group g): waits downed[g] == max_blocks*hb_per; for g's columns, out[t] = sum over j = 0..k-1 IN ORDER of
   (y[row(t, j)] * w[t, j]) rounded to promote(down dtype, logits dtype), summed in fp32, rounded to that dtype,
   cast to hidden's dtype.
 
@@ -103,10 +110,11 @@ C_DONE = tl.constexpr(1)
 C_ROUTED = tl.constexpr(2)
 C_SCANNED = tl.constexpr(3)
 C_SCATTERED = tl.constexpr(4)
-C_DOWNED = tl.constexpr(5)
 C_UPPED = tl.constexpr(6)
 C_ERR = tl.constexpr(8)  # code, op, task
 CTRL_HEAD = 16
+C_DOWNED0 = tl.constexpr(CTRL_HEAD)  # the DOWN tasks' counters, one per column group, follow the head
+MAX_FOLD_GROUPS = tl.constexpr(16)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -129,24 +137,35 @@ def _signal(ptr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _task_kind(t, scan_task, scatter0, up0, down0, fold0):
-    """0 ROUTE, 1 SCAN, 2 SCATTER, 3 UP, 4 DOWN, 5 FOLD."""
-    return ((t >= scan_task).to(tl.int32) + (t >= scatter0).to(tl.int32) + (t >= up0).to(tl.int32)
-            + (t >= down0).to(tl.int32) + (t >= fold0).to(tl.int32))
+def _task_kind(t, scan_task, scatter0, up0, down0, n_down, n_tiles, G: tl.constexpr):
+    """-> (kind: 0 ROUTE, 1 SCAN, 2 SCATTER, 3 UP, 4 DOWN, 5 FOLD; column group; index among the group's tasks of
+    that kind). TaskLayout.kind_of is the same arithmetic on the host."""
+    early = (t >= scan_task).to(tl.int32) + (t >= scatter0).to(tl.int32) + (t >= up0).to(tl.int32)
+    # past D0: pairs [D(q+1)] [F(q)] for q < G - 1, then the last group's folds
+    r = tl.maximum(t - down0 - n_down, 0)
+    q = tl.minimum(r // (n_down + n_tiles), G - 1)
+    rem = r - q * (n_down + n_tiles)
+    in_d0 = t < down0 + n_down
+    fold = (q == G - 1) | (rem >= n_down)
+    kind = tl.where(t < down0, early, tl.where(in_d0 | ~fold, 4, 5))
+    grp = tl.where(in_d0, 0, tl.where(fold, q, q + 1))
+    idx = tl.where(t < up0, t - tl.where(t < scan_task, 0, tl.where(t < scatter0, scan_task, scatter0)),
+                   tl.where(t < down0, t - up0, tl.where(in_d0, t - down0,
+                                                    tl.where(fold & (q < G - 1), rem - n_down, rem))))
+    return kind, grp, idx
 
 
 @triton.jit
-def _phase_counter(kind):
-    """The control word counting finished tasks of `kind` (ROUTE .. DOWN)."""
-    return tl.where(kind == 0, C_ROUTED, tl.where(kind == 1, C_SCANNED, tl.where(kind == 2, C_SCATTERED,
-                                                                                  tl.where(kind == 3, C_UPPED,
-                                                                                           C_DOWNED))))
+def _phase_counter(kind, grp):
+    """The control word counting finished tasks of `kind` (ROUTE .. DOWN) and column group (DOWN); -1 for FOLD."""
+    return tl.where(kind == 0, C_ROUTED, tl.where(kind == 1, C_SCANNED, tl.where(
+        kind == 2, C_SCATTERED, tl.where(kind == 3, C_UPPED, tl.where(kind == 4, C_DOWNED0 + grp, -1)))))
 
 
 @triton.jit
-def _phase_tasks(kind, n_tiles, n_up, n_down):
-    """How many tasks of `kind` (ROUTE .. DOWN) the stream has."""
-    return tl.where((kind == 0) | (kind == 2), n_tiles, tl.where(kind == 1, 1, tl.where(kind == 3, n_up, n_down)))
+def _phase_tasks(kind, n_tiles, n_up):
+    """How many tasks of `kind` (ROUTE .. UP) the stream has."""
+    return tl.where((kind == 0) | (kind == 2), n_tiles, tl.where(kind == 1, 1, n_up))
 
 
 @triton.jit
@@ -259,7 +278,7 @@ def _down_tile(b, nb, meta, act_desc, down_desc, y, H, I, E,
                BM: tl.constexpr, BN: tl.constexpr, BK2: tl.constexpr, BLOCK_E: tl.constexpr,
                DOWN_PRECISION: tl.constexpr):
     valid, e, row0, row_end = _block_rows(b, meta, E, BM, BLOCK_E)
-    if valid:
+    if valid & (nb * BN < H):
         acc = gemm_tile(act_desc, down_desc, row0, e * H + nb * BN, tl.cdiv(I, BK2), BM, BN, BK2,
                         False, True, DOWN_PRECISION)
         rows = row0 + tl.arange(0, BM)
@@ -269,16 +288,17 @@ def _down_tile(b, nb, meta, act_desc, down_desc, y, H, I, E,
 
 
 @triton.jit
-def _fold_tile(tile, ids_ptr, rank_ptr, w_ptr, base, y, out, o_ld, T, H, E,
+def _fold_tile(tile, col0, col_end, ids_ptr, rank_ptr, w_ptr, base, y, out, o_ld, T, H, E,
                TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, PD_F32: tl.constexpr):
+    """out[t, col0:col_end] of the token tile's rows."""
     rows, m2, offs, pos = pair_rows(tile, ids_ptr, rank_ptr, base, T, E, TOP_K, KP, BT)
     w = tl.load(w_ptr + offs, mask=m2, other=0.0, cache_modifier=".cg")
     colk = tl.arange(0, KP)
     rmask = rows < T
     YD: tl.constexpr = y.dtype.element_ty
-    for h0 in range(0, H, BH):
+    for h0 in range(col0, col_end, BH):
         hs = h0 + tl.arange(0, BH)
-        m = rmask[:, None] & (hs < H)[None, :]
+        m = rmask[:, None] & (hs < col_end)[None, :]
         acc = tl.zeros((BT, BH), dtype=tl.float32)
         for j in tl.static_range(TOP_K):
             pj = pick(pos, colk, j).to(tl.int64)
@@ -297,7 +317,7 @@ def _fold_tile(tile, ids_ptr, rank_ptr, w_ptr, base, y, out, o_ld, T, H, E,
 def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        hidden, h_ld, rw, rw_ld, rb, cb, x_desc, gu_desc, down_desc, act_desc,
                        logits, ids_ptr, w_ptr, rank_ptr, counts, meta, tpe, x_sorted, act, saved_up, y, out, o_ld,
-                       trace, T, H, I, E, rsf, eps, n_tiles, max_blocks,
+                       trace, T, H, I, E, rsf, eps, n_tiles, max_blocks, hb_per,
                        SIGMOID: tl.constexpr, HAS_CB: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                        SD_ROUND: tl.constexpr, CD_ROUND: tl.constexpr,
                        HAS_RB: tl.constexpr, RET_LOGITS: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr,
@@ -306,32 +326,36 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        BN: tl.constexpr, BK2: tl.constexpr, BH: tl.constexpr, SCAN_T: tl.constexpr,
                        PD_F32: tl.constexpr, ROUTER_PRECISION: tl.constexpr, UP_PRECISION: tl.constexpr,
                        DOWN_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, USE_ASM: tl.constexpr,
-                       TRACE: tl.constexpr = False):
+                       FOLD_GROUPS: tl.constexpr, TRACE: tl.constexpr = False):
     err_host = err_host.to(tl.pointer_type(tl.int32))  # host-mapped (pinned) mirror
     err = ctrl + C_ERR
     n_iblk = tl.cdiv(I, BI)
-    n_hblk = tl.cdiv(H, BN)
     scan_task = n_tiles
     scatter0 = n_tiles + 1
     up0 = scatter0 + n_tiles
     down0 = up0 + max_blocks * n_iblk
-    fold0 = down0 + max_blocks * n_hblk
-    n_tasks = fold0 + n_tiles
+    n_down = max_blocks * hb_per  # DOWN tasks of one column group
+    n_tasks = down0 + FOLD_GROUPS * (n_down + n_tiles)
     status = 0
-    pend = 0  # this program's finished tasks of kind pend_kind not yet added to that kind's counter
-    pend_kind = 0
-    ready = 0  # the last kind whose inputs this program has seen complete (a wait per program and phase)
+    pend = 0  # this program's finished tasks not yet added to their counter, pend_word
+    pend_word = -1
+    ready = 0  # the last kind (ROUTE .. DOWN) whose inputs this program has seen complete (a wait per phase)
+    folds_ready = 0  # column groups whose DOWN tasks this program has seen complete
     t = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
     while (t < n_tasks) & (status == 0):
-        kind = _task_kind(t, scan_task, scatter0, up0, down0, fold0)
-        if (pend > 0) & (kind != pend_kind):
-            _publish(ctrl + _phase_counter(pend_kind), pend, USE_ASM)
+        kind, grp, idx = _task_kind(t, scan_task, scatter0, up0, down0, n_down, n_tiles, FOLD_GROUPS)
+        word = _phase_counter(kind, grp)
+        if (pend > 0) & (word != pend_word):
+            _publish(ctrl + pend_word, pend, USE_ASM)
             pend = 0
         if TRACE:  # claimed at t0, its wait over at t1 (t0 for tasks that do not wait), done at t2
             t0 = now_ns(USE_ASM)
-        if kind > ready:  # inputs: every task of the kind before (which waited for the kinds before it)
-            status = wait_flag(ctrl + _phase_counter(kind - 1),
-                               _phase_tasks(kind - 1, n_tiles, max_blocks * n_iblk, max_blocks * n_hblk),
+        if kind == 5:  # a program claims the groups' folds in group order
+            if grp >= folds_ready:
+                status = wait_flag(ctrl + C_DOWNED0 + grp, n_down, err, timeout_ns, "gpu", USE_ASM)
+                folds_ready = grp + 1
+        elif kind > ready:  # inputs: every task of the kind before (which waited for the kinds before it)
+            status = wait_flag(ctrl + _phase_counter(kind - 1, 0), _phase_tasks(kind - 1, n_tiles, max_blocks * n_iblk),
                                err, timeout_ns, "gpu", USE_ASM)
             ready = kind
         if TRACE:
@@ -344,23 +368,23 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
             elif kind == 1:  # ---- SCAN
                 scan_counts(counts, meta, tpe, n_tiles, E, BM, BLOCK_E, SCAN_T)
             elif kind == 2:  # ---- SCATTER
-                _scatter_tile(t - scatter0, n_tiles, ids_ptr, rank_ptr, counts, meta, hidden, h_ld, x_sorted,
+                _scatter_tile(idx, n_tiles, ids_ptr, rank_ptr, counts, meta, hidden, h_ld, x_sorted,
                               saved_up, T, H, I, E, TOP_K, KP, BT, BH, SAVE_UP)
             elif kind == 3:  # ---- UP
-                u = t - up0
-                b = u // n_iblk
-                _up_tile(b, u - b * n_iblk, meta, x_desc, gu_desc, act, saved_up, H, I, E,
+                b = idx // n_iblk
+                _up_tile(b, idx - b * n_iblk, meta, x_desc, gu_desc, act, saved_up, H, I, E,
                          BM, BI, BK, BLOCK_E, UP_PRECISION, SAVE_UP)
             elif kind == 4:  # ---- DOWN
-                d = t - down0
-                b = d // n_hblk
-                _down_tile(b, d - b * n_hblk, meta, act_desc, down_desc, y, H, I, E, BM, BN, BK2, BLOCK_E,
+                b = idx // hb_per
+                _down_tile(b, grp * hb_per + idx - b * hb_per, meta, act_desc, down_desc, y, H, I, E, BM, BN, BK2,
+                           BLOCK_E,
                            DOWN_PRECISION)
             else:  # ---- FOLD
-                _fold_tile(t - fold0, ids_ptr, rank_ptr, w_ptr, counts, y, out, o_ld, T, H, E,
-                           TOP_K, KP, BT, BH, PD_F32)
-            pend_kind = kind
-            pend += 1
+                _fold_tile(idx, grp * hb_per * BN, tl.minimum((grp + 1) * hb_per * BN, H), ids_ptr, rank_ptr, w_ptr,
+                           counts, y, out, o_ld, T, H, E, TOP_K, KP, BT, BH, PD_F32)
+            if word >= 0:  # FOLD tasks feed nothing
+                pend_word = word
+                pend += 1
         if TRACE:
             tl.debug_barrier()
             trace_row = trace + t.to(tl.int64) * 4
@@ -372,14 +396,16 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
             _record_error(ctrl, err_host, t)
         if status == 0:
             t = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
-    if (status == 0) & (pend > 0) & (pend_kind < 5):  # FOLD tasks feed nothing
-        _publish(ctrl + _phase_counter(pend_kind), pend, USE_ASM)
+    if (status == 0) & (pend > 0):
+        _publish(ctrl + pend_word, pend, USE_ASM)
     # count out; the last program zeroes every counter for the next launch (graph replays included)
     tl.debug_barrier()
     old = tl.atomic_add(ctrl + C_DONE, 1, sem="acq_rel", scope="gpu")
     if old == tl.num_programs(0) - 1:
         z = tl.arange(0, 8)
         tl.store(ctrl + z, tl.zeros((8,), dtype=tl.int32))
+        zg = tl.arange(0, MAX_FOLD_GROUPS)
+        tl.store(ctrl + C_DOWNED0 + zg, tl.zeros((MAX_FOLD_GROUPS,), dtype=tl.int32), mask=zg < FOLD_GROUPS)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -390,7 +416,8 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
 class MoeConfig:
     """Tiles: BT tokens per route / scatter / fold tile (BKR: router K block, BH: columns per step of the scatter's
     row copies and of the fold), BM sorted rows per expert block, BI columns of I per up tile (two accumulators,
-    gate and up), BK its K block over H, BN columns of H per down tile, BK2 its K block over I."""
+    gate and up), BK its K block over H, BN columns of H per down tile, BK2 its K block over I. fold_groups: column
+    groups of the DOWN / FOLD tasks (TaskLayout), at most MAX_FOLD_GROUPS."""
     bt: int = 64
     bkr: int = 64
     bm: int = 128
@@ -402,6 +429,7 @@ class MoeConfig:
     scan_t: int = 32
     num_warps: int = 8
     num_stages: int = 3
+    fold_groups: int = 1
 
 
 # fp32 (4-byte elements) halves the K blocks; the interpreter wants tiny tiles (every op is numpy)
@@ -447,10 +475,64 @@ def max_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
     return (num_pairs + min(num_experts, num_pairs) * (bm - 1)) // bm
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskLayout:
+    """The forward's task stream for one shape and config (the module docstring): first index of each of the
+    ROUTE, SCAN, SCATTER, UP, DOWN/FOLD parts, `groups` column groups of `hb_per` BN-column chunks of H, `n_down`
+    DOWN tasks per group."""
+    n_tiles: int
+    max_blocks: int
+    n_iblk: int
+    groups: int
+    hb_per: int
+
+    @classmethod
+    def of(cls, T: int, H: int, I: int, E: int, top_k: int, cfg: MoeConfig) -> "TaskLayout":
+        if not 1 <= cfg.fold_groups <= MAX_FOLD_GROUPS.value:
+            raise ValueError(f"kosmos moe_forward: fold_groups {cfg.fold_groups} not in 1..{MAX_FOLD_GROUPS.value}")
+        n_hblk = triton.cdiv(H, cfg.bn)
+        hb_per = triton.cdiv(n_hblk, min(cfg.fold_groups, n_hblk))
+        return cls(triton.cdiv(T, cfg.bt), max_blocks(T * top_k, E, cfg.bm), triton.cdiv(I, cfg.bi),
+                   triton.cdiv(n_hblk, hb_per), hb_per)
+
+    @property
+    def up0(self) -> int:
+        return 2 * self.n_tiles + 1
+
+    @property
+    def down0(self) -> int:
+        return self.up0 + self.max_blocks * self.n_iblk
+
+    @property
+    def n_down(self) -> int:
+        return self.max_blocks * self.hb_per
+
+    @property
+    def num_tasks(self) -> int:
+        return self.down0 + self.groups * (self.n_down + self.n_tiles)
+
+    def kind_of(self, t: int) -> tuple:
+        """(kind 0..5 as KINDS, column group, index in the group's tasks of that kind): the kernel's _task_kind."""
+        if t < self.down0:
+            if t < self.n_tiles:
+                return 0, 0, t
+            if t == self.n_tiles:
+                return 1, 0, 0
+            return (2, 0, t - self.n_tiles - 1) if t < self.up0 else (3, 0, t - self.up0)
+        r = t - self.down0
+        if r < self.n_down:
+            return 4, 0, r
+        q, rem = divmod(r - self.n_down, self.n_down + self.n_tiles)
+        if q >= self.groups - 1:
+            return 5, self.groups - 1, r - self.n_down - (self.groups - 1) * (self.n_down + self.n_tiles)
+        return (4, q + 1, rem) if rem < self.n_down else (5, q, rem - self.n_down)
+
+
+KINDS = ("ROUTE", "SCAN", "SCATTER", "UP", "DOWN", "FOLD")
+
+
 def num_tasks(T: int, H: int, I: int, E: int, top_k: int, cfg: MoeConfig) -> int:
-    n_tiles = triton.cdiv(T, cfg.bt)
-    mb = max_blocks(T * top_k, E, cfg.bm)
-    return 3 * n_tiles + 1 + mb * (triton.cdiv(I, cfg.bi) + triton.cdiv(H, cfg.bn))
+    return TaskLayout.of(T, H, I, E, top_k, cfg).num_tasks
 
 
 class _Control:
@@ -570,15 +652,14 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
     E, two_i, _ = gate_up_proj.shape
     I = two_i // 2
     rd = router_dtype or hidden.dtype
-    n_tiles = triton.cdiv(T, cfg.bt)
-    mb = max_blocks(T * top_k, E, cfg.bm)
-    n_tasks = num_tasks(T, H, I, E, top_k, cfg)
+    layout = TaskLayout.of(T, H, I, E, top_k, cfg)
+    n_tiles, mb, n_tasks = layout.n_tiles, layout.max_blocks, layout.num_tasks
     if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (n_tasks, 4)
                               or trace.device != device):
         raise ValueError(f"kosmos moe_forward: trace must be int64 [{n_tasks}, 4] on {device}")
     ctl = control(device)
     ctl.check()
-    ctl.ensure(0)
+    ctl.ensure(layout.groups)
     pairs = T * top_k
     i32 = dict(dtype=torch.int32, device=device)
     logits = torch.empty(T if return_router_logits else 0, E, dtype=rd, device=device)
@@ -609,13 +690,15 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
             router_bias if router_bias is not None else router_weight,
             score_correction_bias if score_correction_bias is not None else router_weight, x_desc, gu_desc, down_desc,
             act_desc, logits_arg, ids, wts, ranks, counts, meta, tpe, x_sorted, act, saved_up, y, out, out.stride(0),
-            trace if trace is not None else ids, T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles, mb)
+            trace if trace is not None else ids, T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles, mb,
+            layout.hb_per)
     meta_kw = dict(**routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd,
                                         router_bias, score_correction_bias, top_k, E, gate_up_proj.dtype,
                                         down_proj.dtype, hidden.dtype),
                    RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
                    BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=bool(save_up), USE_ASM=not interp,
-                   TRACE=trace is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                   FOLD_GROUPS=layout.groups, TRACE=trace is not None, num_warps=cfg.num_warps,
+                   num_stages=cfg.num_stages)
     grid = (P,)
     runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,
                                                  tuple(sorted((k, str(v)) for k, v in meta_kw.items()))),

@@ -359,8 +359,8 @@ def moe_ep_forward_kernel(ws_table, err_host, rank_base, world, lctl, lctl_rs, n
                 elif t < fold0 + n_tiles:  # ---- FOLD
                     status = _wait_all(f_combine, world, epoch, err, timeout_ns, USE_ASM)
                     if status == 0:
-                        _fold_tile(t - fold0, ids_ptr, rank_ptr, w_ptr, counts, ws_ptr(my_base, comb_off, DD), out,
-                                   o_ld, T, H, E, TOP_K, KP, BT, BH, PD_F32)
+                        _fold_tile(t - fold0, 0, H, ids_ptr, rank_ptr, w_ptr, counts,
+                                   ws_ptr(my_base, comb_off, DD), out, o_ld, T, H, E, TOP_K, KP, BT, BH, PD_F32)
                 else:
                     t = n_tasks  # past this call's real tasks: stop claiming
         if status != 0:

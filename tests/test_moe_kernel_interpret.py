@@ -315,7 +315,7 @@ def case_fold_groups_same_bits(torch):
     from kosmos.kernels import moe
 
     h, rw, gu, d = _inputs(torch, 45, 160, 48, 5, torch.float16, 19)
-    base = moe.CONFIGS["interpret"]
+    base = dataclasses.replace(moe.CONFIGS["interpret"], fold_groups=1)
     args = (h, rw, None, None, gu, d, 2)
     with _NanWorkspaces(torch):
         ref = moe.moe_forward(*args, config=base, return_routing=True, save_up=True)

@@ -11,7 +11,7 @@ program has already claimed):
 
     [ROUTE x n_tiles] [SCAN] [SCATTER x n_tiles] [UP x max_blocks*n_iblk] [DOWN/FOLD of G column groups]
 
-    DOWN/FOLD (TaskLayout; G = MoeConfig.fold_groups, 1 by default): the H columns split into G groups of hb_per
+    DOWN/FOLD (TaskLayout; G = MoeConfig.fold_groups, 2 by default): the H columns split into G groups of hb_per
     column chunks of BN; group g's DOWN tasks (max_blocks*hb_per) and FOLD tasks (n_tiles) are laid out as
     [D0] [D1] [F0] [D2] [F1] ... [D(G-1)] [F(G-2)] [F(G-1)]: the fold of group g is claimed while group g+1's
     DOWN tiles run, so its memory traffic overlaps tensor-core work (with G = 1: [D0] [F0]).
@@ -429,7 +429,7 @@ class MoeConfig:
     scan_t: int = 32
     num_warps: int = 8
     num_stages: int = 3
-    fold_groups: int = 1
+    fold_groups: int = 2
 
 
 # fp32 (4-byte elements) halves the K blocks; the interpreter wants tiny tiles (every op is numpy)

@@ -553,3 +553,17 @@ def test_task_layout_puts_producers_first(T, H, bn, groups):
         if g + 2 < lay.groups:
             assert tasks[(5, g)][-1][0] < tasks[(4, g + 2)][0][0]
     assert lay.num_tasks == moe.num_tasks(T, H, 1536, 128, 8, cfg)
+
+
+def test_default_fold_groups_follow_hidden_size():
+    """forward_configs splits DOWN / FOLD into one group per FOLD_GROUP_COLUMNS columns of H (measured: DeepSeek-V3's
+    H = 7168 gains from two groups, Qwen3-235B's 4096 loses a little), at least one, at most MAX_FOLD_GROUPS."""
+    from kosmos.kernels import moe
+
+    def groups(H):
+        h, gu = torch.empty(4, H, dtype=torch.bfloat16), torch.empty(8, 64, H, dtype=torch.bfloat16)
+        return {c.fold_groups for c in moe.forward_configs(h, gu)}
+
+    assert groups(2048) == groups(4096) == {1}
+    assert groups(7168) == {2}
+    assert groups(1 << 20) == {moe.MAX_FOLD_GROUPS.value}

@@ -11,7 +11,7 @@ program has already claimed):
 
     [ROUTE x n_tiles] [SCAN] [SCATTER x n_tiles] [UP x max_blocks*n_iblk] [DOWN/FOLD of G column groups]
 
-    DOWN/FOLD (TaskLayout; G = MoeConfig.fold_groups, 2 by default): the H columns split into G groups of hb_per
+    DOWN/FOLD (TaskLayout; G = MoeConfig.fold_groups): the H columns split into G groups of hb_per
     column chunks of BN; group g's DOWN tasks (max_blocks*hb_per) and FOLD tasks (n_tiles) are laid out as
     [D0] [D1] [F0] [D2] [F1] ... [D(G-1)] [F(G-2)] [F(G-1)]: the fold of group g is claimed while group g+1's
     DOWN tiles run, so its memory traffic overlaps tensor-core work (with G = 1: [D0] [F0]).
@@ -429,7 +429,7 @@ class MoeConfig:
     scan_t: int = 32
     num_warps: int = 8
     num_stages: int = 3
-    fold_groups: int = 2
+    fold_groups: int = 1
 
 
 # fp32 (4-byte elements) halves the K blocks; the interpreter wants tiny tiles (every op is numpy)
@@ -461,10 +461,17 @@ def select_config(hidden: torch.Tensor, gate_up_proj: torch.Tensor, num_experts:
 # 12.73 (benchmarks/moe_configs.py, RESULTS.md). Tried first; a build that does not fit falls back to the default.
 WIDE_FORWARD = dict(bi=128, bn=256)
 
+# Columns of H per DOWN / FOLD group in the default configs. Measured on the H200 at T=16384 (benchmarks/
+# moe_kernel_time.py, RESULTS.md tenth session, four interleaved rounds): DeepSeek-V3 (H 7168) 25.1 ms with 2 or 4
+# groups vs 25.8 with one; Qwen3-235B (H 4096) 10.07 ms with 2 or 4 vs 9.94 with one.
+FOLD_GROUP_COLUMNS = 3072
+
 
 def forward_configs(hidden: torch.Tensor, gate_up_proj: torch.Tensor) -> list:
     """The configs moe_forward tries in order when none is given."""
     cfg = select_config(hidden, gate_up_proj)
+    groups = min(hidden.shape[1] // FOLD_GROUP_COLUMNS, MAX_FOLD_GROUPS.value)
+    cfg = dataclasses.replace(cfg, fold_groups=max(1, groups))
     if runtime.interpreting() or gate_up_proj.dtype == torch.float32:
         return [cfg]
     return [dataclasses.replace(cfg, **WIDE_FORWARD), cfg]

@@ -216,3 +216,27 @@ def test_compiled_model_matches_eager_cuda(name, dtype):
     assert count(run.forward, "moe_layer") == layers and count(run.backward, "moe_layer_backward") == layers
     assert rel_err(run.loss, run.eager_loss) <= tol
     assert_close_grads(run.grads, run.eager_grads, tol)
+
+
+@pytest.mark.parametrize("router", ["qwen3", "deepseek_v3"])
+def test_backward_reads_the_forwards_logits(router):
+    """Without EP moe_layer returns its router logits even when the model does not ask for them, and its autograd
+    hands them to moe_layer_backward, which takes the scores from them instead of running the router GEMM again (on
+    the CPU that GEMM gives the same bits: the gradients equal those of a backward without them)."""
+    h, w, gu, d = _inputs()
+    plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in _layer_args(h, w, gu, d, router,
+                                                                                 return_logits=False)]
+    out, logits, _, saved_up, topk_ids = torch.ops.kosmos.moe_layer(*plain)
+    assert tuple(logits.shape) == (h.shape[0], w.shape[0])
+    go = torch.randn(h.shape)
+
+    def backward(router_logits):
+        return torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all", saved_up.clone(),
+                                                   topk_ids, router_logits)
+
+    given, recomputed = backward(logits), backward(None)
+    assert all(torch.equal(a, b) for a, b in zip(given, recomputed))
+    moved = backward(logits + 0.5 * torch.randn(logits.shape))  # the backward does read them
+    assert rel_err(moved[0], given[0]) > 1e-3 and rel_err(moved[1], given[1]) > 1e-3
+    with pytest.raises(ValueError, match="router_logits"):
+        backward(logits[:, :-1])

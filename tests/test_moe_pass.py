@@ -275,16 +275,16 @@ v13 = kosmos.moe_layer(v9: f32[16, 64], v10: f32[8, 64], None, None, v11: f32[8,
     [3] v16: f32[40, 64] -> output
     [4] v17: i32[16, 2] -> output""")
         self.assertExpectedInline(kosmos_calls(run.backward[0]), """\
-v8 = kosmos.moe_layer_backward(v0: f32[16, 64], v1: f32[16, 8], v2: f32[16, 64], v3: f32[8, 64], None, None, v4: f32[8, 64, 64], v5: f32[8, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', None, 1, 'all_to_all', v6: f32[40, 64], v7: i32[16, 2])
-    [0] v9: f32[16, 64] -> reshape
-    [1] v10: f32[8, 64] -> output
-    [2] v11: f32[8, 64, 64] -> output
-    [3] v12: f32[8, 64, 32] -> output
-v21 = kosmos.moe_layer_backward(v13: f32[16, 64], v14: f32[16, 8], v15: f32[16, 64], v16: f32[8, 64], None, None, v17: f32[8, 64, 64], v18: f32[8, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', None, 1, 'all_to_all', v19: f32[40, 64], v20: i32[16, 2])
-    [0] v22: f32[16, 64] -> reshape
-    [1] v23: f32[8, 64] -> output
-    [2] v24: f32[8, 64, 64] -> output
-    [3] v25: f32[8, 64, 32] -> output""")
+v9 = kosmos.moe_layer_backward(v0: f32[16, 64], v1: f32[16, 8], v2: f32[16, 64], v3: f32[8, 64], None, None, v4: f32[8, 64, 64], v5: f32[8, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', None, 1, 'all_to_all', v6: f32[40, 64], v7: i32[16, 2], v8: f32[16, 8])
+    [0] v10: f32[16, 64] -> reshape
+    [1] v11: f32[8, 64] -> output
+    [2] v12: f32[8, 64, 64] -> output
+    [3] v13: f32[8, 64, 32] -> output
+v23 = kosmos.moe_layer_backward(v14: f32[16, 64], v15: f32[16, 8], v16: f32[16, 64], v17: f32[8, 64], None, None, v18: f32[8, 64, 64], v19: f32[8, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', None, 1, 'all_to_all', v20: f32[40, 64], v21: i32[16, 2], v22: f32[16, 8])
+    [0] v24: f32[16, 64] -> reshape
+    [1] v25: f32[8, 64] -> output
+    [2] v26: f32[8, 64, 64] -> output
+    [3] v27: f32[8, 64, 32] -> output""")
 
     def test_qwen3_moe_bf16(self):
         run = model_run("qwen3_moe", "bfloat16")
@@ -302,14 +302,15 @@ v5 = kosmos.moe_layer(v0: f32[16, 64], model.layers.1.mlp.gate.weight: f32[8, 64
         self.assertExpectedInline(kosmos_calls(run.forward[0]), """\
 v5 = kosmos.moe_layer(v0: f32[16, 64], v1: f32[8, 64], None, v2: f32[8], v3: f32[8, 64, 64], v4: f32[8, 64, 32], 2, 'sigmoid', True, 2, 1, 2.5, float32)
     [0] v6: f32[16, 64] -> reshape
-    [3] v7: f32[40, 64] -> output
-    [4] v8: i32[16, 2] -> output""")
+    [1] v7: f32[16, 8] -> output
+    [3] v8: f32[40, 64] -> output
+    [4] v9: i32[16, 2] -> output""")
         self.assertExpectedInline(kosmos_calls(run.backward[0]), """\
-v8 = kosmos.moe_layer_backward(v0: f32[16, 64], None, v1: f32[16, 64], v2: f32[8, 64], None, v3: f32[8], v4: f32[8, 64, 64], v5: f32[8, 64, 32], 2, 'sigmoid', True, 2, 1, 2.5, float32, 'silu', None, 1, 'all_to_all', v6: f32[40, 64], v7: i32[16, 2])
-    [0] v9: f32[16, 64] -> reshape
-    [1] v10: f32[8, 64] -> output
-    [2] v11: f32[8, 64, 64] -> output
-    [3] v12: f32[8, 64, 32] -> output""")
+v9 = kosmos.moe_layer_backward(v0: f32[16, 64], None, v1: f32[16, 64], v2: f32[8, 64], None, v3: f32[8], v4: f32[8, 64, 64], v5: f32[8, 64, 32], 2, 'sigmoid', True, 2, 1, 2.5, float32, 'silu', None, 1, 'all_to_all', v6: f32[40, 64], v7: i32[16, 2], v8: f32[16, 8])
+    [0] v10: f32[16, 64] -> reshape
+    [1] v11: f32[8, 64] -> output
+    [2] v12: f32[8, 64, 64] -> output
+    [3] v13: f32[8, 64, 32] -> output""")
         rec = run.report.rewrites[0]
         self.assertExpectedInline(rec.line(), """[pre-grad] moe_layer: rewritten: router (sigmoid top-2 of 1/2 groups, renormalised, x2.5) + grouped_mm SwiGLU experts + fold -> kosmos::moe_layer -> reference (cpu tensors (fused kernels need CUDA)) T=16 H=64 E=8 k=2 dtype=float32 I=32""")
 

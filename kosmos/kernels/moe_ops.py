@@ -280,8 +280,8 @@ def run_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gat
 
     out, logits, counts, saved_up, ids, _ = moe_forward(
         hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
-        norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation, return_router_logits,
-        save_up=True, return_routing=True)
+        norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
+        return_router_logits=True, save_up=True, return_routing=True)  # the logits: for the backward
     return out, logits, counts, saved_up, ids
 
 
@@ -304,7 +304,7 @@ def why_not_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weig
                                score_correction_bias, gate_up_proj, down_proj, top_k, scoring, norm_topk_prob,
                                n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
                                activation="silu", ep_group_name=None, ep_world_size=1,
-                               ep_mode="all_to_all", saved_up=None, topk_ids=None) -> Optional[str]:
+                               ep_mode="all_to_all", saved_up=None, topk_ids=None, router_logits=None) -> Optional[str]:
     if not enabled("backward"):
         return (f"fused MoE backward is opt-in ({ENV}=1): slower than this reference impl on an H200 "
                 "(benchmarks/RESULTS.md)")
@@ -325,9 +325,9 @@ def why_not_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weig
 def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias,
                            gate_up_proj, down_proj, top_k, scoring, norm_topk_prob, n_group=1, topk_group=1,
                            routed_scaling_factor=1.0, router_dtype=None, activation="silu", ep_group_name=None,
-                           ep_world_size=1, ep_mode="all_to_all", saved_up=None, topk_ids=None):
-    """saved_up and topk_ids are not read: the fused backward routes again in its own kernel (the same tiles and
-    bits as the fused forward's routing) and recomputes the up projection in its own tiles."""
+                           ep_world_size=1, ep_mode="all_to_all", saved_up=None, topk_ids=None, router_logits=None):
+    """saved_up, topk_ids and router_logits are not read: the fused backward routes again in its own kernel (the
+    same tiles and bits as the fused forward's routing) and recomputes the up projection in its own tiles."""
     if ep_group_name is not None:
         from kosmos.kernels.moe_ep_group import moe_ep_backward_group
 

@@ -7,7 +7,8 @@ moe_layer(hidden [T, H], router_weight [E, H], router_bias [E]?, score_correctio
           gate_up_proj [E, 2I, H], down_proj [E, H, I], top_k, scoring, norm_topk_prob, n_group, topk_group,
           routed_scaling_factor, router_dtype, activation, return_router_logits, ep_group_name, ep_world_size,
           ep_mode="all_to_all")
-    -> (out [T, H] in hidden's dtype, router_logits [T, E] (or [0, E] unless return_router_logits),
+    -> (out [T, H] in hidden's dtype, router_logits [T, E] (under EP [0, E] unless return_router_logits; without
+        EP always: the backward reads them instead of running the router GEMM again),
         tokens_per_expert [E] int32, saved_up [T * k + E, 2I] in gate_up_proj's dtype ([0, 2I] under EP),
         topk_ids [T, k] int32 ([0, k] under EP): the routing this call used, whose pairs saved_up's rows hold)
 
@@ -52,12 +53,13 @@ topk_ids, the routing saved_up's rows follow: the backward takes it instead of s
 forward routes in its own kernel and the reference backward with torch ops: their logits differ in the last bits
 (summation order), so a near-tie can pick another expert, and saved_up's rows would then belong to other pairs than
 the backward's. With the forward's topk_ids the backward recomputes only the scores (for the router's gradient)
-and gathers them at the forward's choices.
+and gathers them at the forward's choices; with the forward's router_logits it takes the scores from them instead
+of the router GEMM (for DeepSeek-V3's fp32 router 1.3 ms of its layer's backward at T = 16384 on an H200).
 
 Backward ops (one launch per direction; registered as the ops' autograd, so after AOT autograd the backward
 graph holds one call per MoE layer):
     moe_layer_backward(grad_out, grad_router_logits?, <moe_layer's inputs but return_router_logits>, saved_up?,
-                       topk_ids?)
+                       topk_ids?, router_logits?)
         -> (d_hidden, d_router_weight, d_gate_up_proj, d_down_proj, d_router_bias ([0] without router_bias))
         saved_up is overwritten (its storage holds the SwiGLU backward's d_up, then d_hidden): a second backward
         through the same saved tensors never reads it. Eagerly autograd's version check raises; in a compiled graph
@@ -197,13 +199,17 @@ def _check_routing(hidden, topk_ids, topk_weights, gate_up_proj) -> None:
 
 
 def _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring, norm_topk_prob,
-                   n_group, topk_group, routed_scaling_factor, router_dtype, ids=None):
+                   n_group, topk_group, routed_scaling_factor, router_dtype, ids=None, logits=None):
     """The router of the module docstring, keeping what its backward needs. ids [T, k] given: those choices
-    instead of the top-k selection (the weights are the scores gathered there, normalised and scaled as usual)."""
+    instead of the top-k selection (the weights are the scores gathered there, normalised and scaled as usual).
+    logits given: the router GEMM's output (then the state keeps hidden uncast: route_backward wants it cast to
+    router_dtype, which the caller does when it needs it)."""
     if router_dtype is not None:
-        hidden, router_weight = hidden.to(router_dtype), router_weight.to(router_dtype)
+        router_weight = router_weight.to(router_dtype)
         router_bias = router_bias.to(router_dtype) if router_bias is not None else None
-    logits = F.linear(hidden, router_weight, router_bias)
+        hidden = hidden.to(router_dtype) if logits is None else hidden
+    if logits is None:
+        logits = F.linear(hidden, router_weight, router_bias)
     if scoring == "softmax":
         scores = F.softmax(logits, dim=-1, dtype=torch.float32)
     else:
@@ -734,7 +740,8 @@ def moe_layer(
         else:
             out, counts = ep_experts(hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name,
                                      ep_world_size)
-    return out, (logits if return_router_logits else logits.new_empty(0, logits.shape[1])), counts, saved_up, topk_ids
+    keep_logits = return_router_logits or ep_group_name is None
+    return out, (logits if keep_logits else logits.new_empty(0, logits.shape[1])), counts, saved_up, topk_ids
 
 
 def saved_up_rows(hidden: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int, ep_group_name: Optional[str]) -> int:
@@ -765,7 +772,7 @@ def _moe_layer_fake(hidden, router_weight, router_bias, score_correction_bias, g
                       return_router_logits, ep_group_name, ep_world_size, ep_mode)
     e = gate_up_proj.shape[0] * ep_world_size
     logits_dtype = router_dtype or hidden.dtype
-    rows = hidden.shape[0] if return_router_logits else 0
+    rows = hidden.shape[0] if return_router_logits or ep_group_name is None else 0
     return (
         hidden.new_empty(hidden.shape),
         hidden.new_empty(rows, e, dtype=logits_dtype),
@@ -798,16 +805,19 @@ def moe_layer_backward(
     ep_mode: str = "all_to_all",
     saved_up: Optional[torch.Tensor] = None,
     topk_ids: Optional[torch.Tensor] = None,
+    router_logits: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     args = (grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
             down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
-            activation, ep_group_name, ep_world_size, ep_mode, saved_up, topk_ids)
+            activation, ep_group_name, ep_world_size, ep_mode, saved_up, topk_ids, router_logits)
     with_saved_up, forward_ids = _check_saved_state(saved_up, topk_ids, hidden, gate_up_proj, top_k, ep_group_name)
+    forward_logits = _check_saved_logits(router_logits, forward_ids, hidden, router_weight, router_dtype)
     done, fused_out = dispatch.try_fused("moe_layer_backward", hidden.device, *args)
     if done:
         return _backward_outputs(fused_out, router_weight)
     routed = _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring, norm_topk_prob,
-                            n_group, topk_group, routed_scaling_factor, router_dtype, ids=forward_ids)
+                            n_group, topk_group, routed_scaling_factor, router_dtype, ids=forward_ids,
+                            logits=forward_logits)
     _, ids, weights, route_state = routed
     # the router's cast copy of hidden ([T, H] fp32 for DeepSeek-V3's router) is made again after the experts'
     # backward instead of being kept through it (their peak memory)
@@ -860,6 +870,19 @@ def _check_saved_state(saved_up, topk_ids, hidden, gate_up_proj, top_k, ep_group
     return with_saved_up, forward_ids
 
 
+def _check_saved_logits(router_logits, forward_ids, hidden, router_weight, router_dtype):
+    """The forward's router logits if the backward may use them (given with the forward's routing), else None;
+    raises for a tensor that is not moe_layer's logits output."""
+    if router_logits is None or forward_ids is None:
+        return None
+    want = (hidden.shape[0], router_weight.shape[0])
+    if tuple(router_logits.shape) != want or router_logits.dtype != (router_dtype or hidden.dtype):
+        raise ValueError(f"kosmos::moe_layer_backward: router_logits {tuple(router_logits.shape)} "
+                         f"{router_logits.dtype} is not moe_layer's logits output {want} "
+                         f"{router_dtype or hidden.dtype}")
+    return router_logits
+
+
 @moe_layer_backward.register_fake
 def _moe_layer_backward_fake(grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias,
                              gate_up_proj, down_proj, *rest):
@@ -876,7 +899,7 @@ _LAYER_SCALARS = ("top_k", "scoring", "norm_topk_prob", "n_group", "topk_group",
 def _moe_layer_setup_context(ctx, inputs, output):
     hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj = inputs[:6]
     ctx.save_for_backward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj,
-                          output[3], output[4])
+                          output[3], output[4], output[1])
     ctx.scalars = dict(zip(_LAYER_SCALARS, inputs[6:]))
     ctx.mark_non_differentiable(output[2], output[3], output[4])
 
@@ -897,8 +920,8 @@ def _may_overwrite(saved: torch.Tensor) -> bool:
 
 
 def _moe_layer_autograd(ctx, grad_out, grad_router_logits, _grad_counts, _grad_saved_up, _grad_topk_ids):
-    (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, saved_up,
-     topk_ids) = ctx.saved_tensors
+    (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, saved_up, topk_ids,
+     router_logits) = ctx.saved_tensors
     if saved_up.shape[0] and not _may_overwrite(saved_up):
         saved_up = saved_up.clone()
     s = ctx.scalars
@@ -908,7 +931,7 @@ def _moe_layer_autograd(ctx, grad_out, grad_router_logits, _grad_counts, _grad_s
         grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
         down_proj, s["top_k"], s["scoring"], s["norm_topk_prob"], s["n_group"], s["topk_group"],
         s["routed_scaling_factor"], s["router_dtype"], s["activation"], s["ep_group_name"], s["ep_world_size"],
-        s["ep_mode"], saved_up, topk_ids,
+        s["ep_mode"], saved_up, topk_ids, router_logits if s["ep_group_name"] is None else None,
     )
     d_hidden, d_router_weight, d_gate_up, d_down = grads[:4]
     d_router_bias = grads[4] if router_bias is not None else None

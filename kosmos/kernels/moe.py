@@ -64,14 +64,14 @@ Determinism: rows are placed by the scan, never by an atomic; every output eleme
 task with a fixed reduction order (K loops in order, the fold in j order). Which program runs a task does not
 change any arithmetic, so two runs are bit-identical whatever the number of programs.
 
-Counters and CUDA graphs: the claim counter, the phase counters (routed, scanned, scattered, upped, downed) and
-an error word live in one per-device int32 control tensor (`_Control`), zeroed when it is allocated. We chose
-"zero at the end of the launch by the last program" over epochs: the counters' targets change with the shape,
-which would break epoch arithmetic on a shared workspace.
-Every program counts itself out (acq_rel atomic) after its last access; the one that arrives last zeroes all
-counters, so the next launch on the stream (or the next replay of a captured graph) starts from zero, with no
-reset kernel and no per-call host scalar. The control tensor only grows (a new, zeroed tensor) outside graph
-capture. Launches that share the control tensor must be stream-ordered (one stream per device).
+Counters and CUDA graphs: the claim counter, the phase counters (routed, scanned, scattered, upped; downed per
+column group, after the head) and an error word live in one per-device int32 control tensor (`_Control`), zeroed
+when it is allocated. We chose "zero at the end of the launch by the last program" over epochs: the counters'
+targets change with the shape, which would break epoch arithmetic on a shared workspace. Every program counts itself
+out (acq_rel atomic) after its last access; the one that arrives last zeroes all counters, so the next launch on the
+stream (or the next replay of a captured graph) starts from zero, with no reset kernel and no per-call host scalar.
+The control tensor only grows (a new, zeroed tensor) outside graph capture. Launches that share the control tensor
+must be stream-ordered (one stream per device).
 
 Spins (kosmos.kernels.signals.wait_flag) are bounded in wall time (runtime.spin_timeout_s); past the bound a
 program records an error word (code, op, task) in the control tensor and in a host-mapped mirror and stops
@@ -376,9 +376,8 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                          BM, BI, BK, BLOCK_E, UP_PRECISION, SAVE_UP)
             elif kind == 4:  # ---- DOWN
                 b = idx // hb_per
-                _down_tile(b, grp * hb_per + idx - b * hb_per, meta, act_desc, down_desc, y, H, I, E, BM, BN, BK2,
-                           BLOCK_E,
-                           DOWN_PRECISION)
+                nb = grp * hb_per + idx - b * hb_per
+                _down_tile(b, nb, meta, act_desc, down_desc, y, H, I, E, BM, BN, BK2, BLOCK_E, DOWN_PRECISION)
             else:  # ---- FOLD
                 _fold_tile(idx, grp * hb_per * BN, tl.minimum((grp + 1) * hb_per * BN, H), ids_ptr, rank_ptr, w_ptr,
                            counts, y, out, o_ld, T, H, E, TOP_K, KP, BT, BH, PD_F32)

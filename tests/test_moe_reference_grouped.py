@@ -298,6 +298,22 @@ def test_wgrad_unpadded_groups_zero_empty_experts(grouped_calls):
     assert torch.equal(got[[1, 3, 4]], torch.zeros(3, 16, 8)) and torch.allclose(got, want, atol=1e-6)
 
 
+@pytest.mark.parametrize("T", [0, 1, 37])
+def test_sorted_pairs_gather(T):
+    """_SortedPairs.gather: a tensor's rows in the sorted order with the pad rows zero, as indexing the tensor with one
+    zero row appended (what it replaces); per-pair tensors through `pair`, sentinel ids (E) included."""
+    E, k = 5, 3
+    g = torch.Generator().manual_seed(T)
+    ids = torch.randint(0, E + 1, (T, k), generator=g)  # id E: a sentinel pair
+    rows = moe._SortedPairs(ids, E)
+    hidden = torch.randn(T, 7, generator=g)
+    weights = torch.rand(T * k, generator=g)
+    with_zero = torch.cat([hidden, hidden.new_zeros(1, 7)])
+    assert torch.equal(rows.gather(hidden), with_zero[rows.token])
+    assert torch.equal(rows.gather(weights, rows.pair), torch.cat([weights, weights.new_zeros(1)])[rows.pair])
+    assert torch.equal(rows.token[rows.pads], torch.full((E,), T))  # one pad row per expert
+
+
 def test_capability_check():
     x = torch.randn(8, 32)
     w = torch.randn(4, 32, 16)

@@ -252,10 +252,12 @@ def route(hidden, router_weight, router_bias, score_correction_bias, top_k: int,
     return logits, ids, weights
 
 
-def route_backward(d_weights, d_logits_out, routed, router_weight, router_bias, scoring, routed_scaling_factor):
+def route_backward(d_weights, d_logits_out, routed, router_weight, router_bias, scoring, routed_scaling_factor,
+                   d_hidden=None):
     """Gradients of the router, given `routed` = _route_forward(...) of the same inputs: d_weights [T, k] (of its
     weights output) and d_logits_out [T, E] (of its logits output, or None) -> (d_hidden fp32, d_router_weight,
-    d_router_bias or None). The routing choices (top-k ids, score_correction_bias) get no gradient."""
+    d_router_bias or None). The routing choices (top-k ids, score_correction_bias) get no gradient. d_hidden (fp32
+    [T, H]) given: the router's part is added into it in place (the same sum, without an fp32 temporary)."""
     logits, ids, _, st = routed
     scores = st["scores"]
     d = d_weights.to(scores.dtype)
@@ -273,7 +275,7 @@ def route_backward(d_weights, d_logits_out, routed, router_weight, router_bias, 
         d_logits = d_logits + d_logits_out.float()
     d_logits = d_logits.to(logits.dtype)
     h, w = st["hidden"], st["router_weight"]
-    d_hidden = (d_logits @ w).float()
+    d_hidden = (d_logits @ w).float() if d_hidden is None else d_hidden.add_(d_logits @ w)
     d_router_weight = (d_logits.transpose(0, 1) @ h).to(router_weight.dtype)
     d_router_bias = d_logits.float().sum(0).to(router_bias.dtype) if router_bias is not None else None
     return d_hidden, d_router_weight, d_router_bias
@@ -375,9 +377,9 @@ class _SortedPairs:
     """The rows the reference experts compute: the (token, slot) pairs sorted by expert, each expert's group led by
     one zero pad row. So no group is empty (the weight gradients need no masking) and a sentinel pair (id E, sorted
     past the last group, its rows never written) reads a pad row, whose outputs and gradients are exactly 0.
-    Found on the device: `token` [S + E] of each row (T, a zero row appended to hidden, for a pad), `pair` [S + E]
-    (flat pair index, S for a pad), `row` [S] of each pair (pad row 0 for a sentinel), `counts` [E] pairs per
-    expert, `groups` the padded row groups."""
+    Found on the device: `token` [S + E] of each row (T for a pad), `pair` [S + E] (flat pair index, S for a pad),
+    `row` [S] of each pair (pad row 0 for a sentinel), `pads` [E] the pad rows, `counts` [E] pairs per expert,
+    `groups` the padded row groups; `gather` puts a tensor's rows in this order."""
 
     def __init__(self, topk_ids: torch.Tensor, num_experts: int):
         flat = topk_ids.reshape(-1).long()
@@ -394,12 +396,16 @@ class _SortedPairs:
         self.row = torch.empty_like(perm)
         self.row[perm] = at
         self.row = torch.where(flat < num_experts, self.row, 0)
+        self.pads = ends - self.counts + experts
         self.groups = _Groups((ends + experts + 1).to(torch.int32), padded=True)
 
-
-def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
-    """t with one zero row (element) appended: what the pad rows read."""
-    return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+    def gather(self, t: torch.Tensor, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """t's rows (elements) at `index` (default `token`; `pair` for per-pair tensors), the pad rows zero: one
+        gather, no copy of t with a zero row appended."""
+        index = self.token if index is None else index
+        if t.shape[0] == 0:
+            return t.new_zeros(index.shape[0], *t.shape[1:])
+        return t.index_select(0, index.clamp(max=t.shape[0] - 1)).index_fill_(0, self.pads, 0)
 
 
 def _swiglu(h, down_dtype):
@@ -471,13 +477,13 @@ def _experts_backward_saved_(grad_out, hidden, rows, top_k, w_rows, h, gate_up_p
     (fp32) takes it once d_x is made from d_h, so the weight grads are computed beside d_h and one [S, H] buffer
     at a time and no more. -> (d_hidden fp32 [T, H], possibly in h's storage, d_weight of each row fp32 [S],
     d_gate_up_proj, d_down_proj)."""
-    g = _with_zero_row(grad_out.to(down_proj.dtype))[rows.token]
+    g = rows.gather(grad_out.to(down_proj.dtype))
     d_down = _grouped_wgrad(g, _scaled_act(h, w_rows, down_proj.dtype), rows.groups, down_proj)
     d_au = _grouped_mm(g, down_proj, rows.groups)
     del g
     d_h, d_w_rows = _swiglu_rows_backward_(h, d_au, w_rows)
     del d_au
-    x = _with_zero_row(hidden)[rows.token].to(gate_up_proj.dtype)
+    x = rows.gather(hidden).to(gate_up_proj.dtype)
     d_gate_up = _grouped_wgrad(d_h, x, rows.groups, gate_up_proj)
     del x
     d_x = _grouped_mm(d_h, gate_up_proj, rows.groups)
@@ -515,7 +521,7 @@ def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation:
     docstring with return_up). A pair whose id is E (the sentinel) is not computed: it adds 0."""
     num_tokens, top_k = topk_ids.shape
     rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
-    x = _with_zero_row(hidden)[rows.token].to(gate_up_proj.dtype)
+    x = rows.gather(hidden).to(gate_up_proj.dtype)
     up = _grouped_mm(x, gate_up_proj.transpose(1, 2), rows.groups)
     act = _swiglu(up, down_proj.dtype)[3]
     y = _grouped_mm(act, down_proj.transpose(1, 2), rows.groups)
@@ -545,16 +551,16 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, dow
     gradients."""
     num_tokens, top_k = topk_ids.shape
     rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
-    w_rows = _with_zero_row(topk_weights.reshape(-1))[rows.pair]
+    w_rows = rows.gather(topk_weights.reshape(-1), rows.pair)
     if saved_up is not None:
         d_hidden, d_w_rows, d_gate_up, d_down = _experts_backward_saved_(grad_out, hidden, rows, top_k, w_rows,
                                                                          saved_up, gate_up_proj, down_proj)
         d_weights = d_w_rows[rows.row].view(num_tokens, top_k).to(topk_weights.dtype)
         return d_hidden, d_weights, d_gate_up, d_down
-    x = _with_zero_row(hidden)[rows.token].to(gate_up_proj.dtype)
+    x = rows.gather(hidden).to(gate_up_proj.dtype)
     product_dtype = torch.promote_types(down_proj.dtype, topk_weights.dtype)
     g = grad_out.to(product_dtype)  # d(weighted pair): the fold sums the pairs of a token
-    d_y = (_with_zero_row(g)[rows.token] * w_rows.unsqueeze(-1)).to(down_proj.dtype)
+    d_y = (rows.gather(g) * w_rows.unsqueeze(-1)).to(down_proj.dtype)
     y, d_x, d_gate_up, d_down = _experts_grads(x, d_y, gate_up_proj, down_proj, rows.groups)
     y_pairs = y[rows.row].view(num_tokens, top_k, y.shape[-1]).to(product_dtype)
     d_weights = (g.unsqueeze(1) * y_pairs).float().sum(dim=-1).to(topk_weights.dtype)
@@ -836,9 +842,10 @@ def moe_layer_backward(
             grad_out, hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
     if recast:
         route_state["hidden"] = hidden.to(router_dtype)
-    d_hidden_router, d_router_weight, d_router_bias = route_backward(
-        d_weights, grad_router_logits, routed, router_weight, router_bias, scoring, routed_scaling_factor)
-    grads = [(d_hidden + d_hidden_router).to(hidden.dtype), d_router_weight, d_gate_up, d_down]
+    d_hidden, d_router_weight, d_router_bias = route_backward(
+        d_weights, grad_router_logits, routed, router_weight, router_bias, scoring, routed_scaling_factor, d_hidden)
+    # a copy even in hidden's dtype: d_hidden may live in saved_up's storage, which an output must not alias
+    grads = [d_hidden.to(hidden.dtype, copy=True), d_router_weight, d_gate_up, d_down]
     return _backward_outputs(grads + ([d_router_bias] if router_bias is not None else []), router_weight)
 
 

@@ -2,11 +2,11 @@
 (moe_trace.layer_inputs: random weights, DeepSeek-V3's real router), after 2 s of heating: measure.bench_calls
 (>= 20 calls, L2 flushed). --variants times MoeConfig variants of forward_configs' first config in --rounds
 interleaved rounds (one process: each build compiles once); to compare two kernel trees, run it from both checkouts
-in alternation on the same GPU (each process imports the kosmos of its own tree):
+in alternation on the same GPU (benchmarks/ab_trees.sh: each process imports the kosmos of its own tree and has
+caches of its own):
 
     PYTHONPATH=.:benchmarks python3 benchmarks/moe_kernel_time.py --layer deepseek_v3 --variants "default;num_stages=4"
-    PYTHONPATH=.:benchmarks python3 benchmarks/moe_kernel_time.py --layer deepseek_v3 --tag new
-    (cd ../old && PYTHONPATH=.:benchmarks python3 benchmarks/moe_kernel_time.py --layer deepseek_v3 --tag old)
+    bash benchmarks/ab_trees.sh ../old . 2 benchmarks/moe_kernel_time.py --layer deepseek_v3
 
 The ninth session ran the first form of this script (default config, --tag only) from two checkouts.
 """

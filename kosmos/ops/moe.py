@@ -54,7 +54,8 @@ forward routes in its own kernel and the reference backward with torch ops: thei
 (summation order), so a near-tie can pick another expert, and saved_up's rows would then belong to other pairs than
 the backward's. With the forward's topk_ids the backward recomputes only the scores (for the router's gradient)
 and gathers them at the forward's choices; with the forward's router_logits it takes the scores from them instead
-of the router GEMM (for DeepSeek-V3's fp32 router 1.3 ms of its layer's backward at T = 16384 on an H200).
+of the router GEMM (DeepSeek-V3's fp32 router at T = 16384: 60 GFLOP, which cuBLAS ran in 1.35 ms in the forward's
+profile, benchmarks/RESULTS.md eighth session).
 
 Backward ops (one launch per direction; registered as the ops' autograd, so after AOT autograd the backward
 graph holds one call per MoE layer):

@@ -23,8 +23,7 @@ import torch
 from measure import bench_calls
 from moe import LAYERS
 
-from kosmos.kernels.moe import KINDS
-
+from kosmos.kernels.moe import KINDS, TaskLayout
 
 
 def layer_inputs(layer: str, T: int, device="cuda", dtype=torch.bfloat16):
@@ -55,8 +54,6 @@ def config_variant(base, variant: str):
 def task_kinds(T, H, I, E, k, cfg) -> torch.Tensor:
     """The kind (index into KINDS) of every task of the launch (moe.TaskLayout: with fold_groups > 1 the DOWN and
     FOLD tasks interleave)."""
-    from kosmos.kernels.moe import TaskLayout
-
     lay = TaskLayout.of(T, H, I, E, k, cfg)
     return torch.tensor([lay.kind_of(t)[0] for t in range(lay.num_tasks)])
 

@@ -55,6 +55,37 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, descriptors: Optional[dic
                                                                                   num_stages=num_stages))
 
 
+def compile_sm90_gluon(fn, constexprs: dict, pointers: dict, descriptors: dict, num_warps: int = 4):
+    """compile_sm90 for a Gluon kernel: descriptors name -> (dtype, block shape), each with the default
+    NVMMASharedLayout of its block (what the host launchers build)."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in descriptors:
+            dtype, block = descriptors[name]
+            t = torch.empty(256, 256, dtype=dtype)
+            sig[name] = mangle_type(TensorDescriptor.from_tensor(
+                t, list(block), gl.NVMMASharedLayout.get_default_for(list(block), el[dtype])))
+        elif name in pointers:
+            sig[name] = "*" + pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                         attrs=attrs)
+    return triton_compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=num_warps))
+
+
 def ptxas_report(ptx: str) -> dict:
     """ptxas -v of the PTX for sm_90a: registers, spill bytes, and the performance advisories (e.g. wgmma
     serialization, C7510-C7520) as text lines."""

@@ -64,6 +64,27 @@ def test_half_random_shapes(dtype, b_trans, bias):
         assert torch.equal(out, out2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b_trans", [True, False], ids=["w.t()", "kn"])
+def test_warp_specialized_random_shapes(dtype, b_trans):
+    """The Gluon kernel (producer warp + two ping-pong MMA warpgroups) on ragged shapes, with and without bias."""
+    for i, (M, N, K) in enumerate(SHAPES + [(4096, 1280, 5120)]):
+        for bias in (False, True):
+            a, b, c = make_operands(M, N, K, dtype, b_trans, bias=bias, seed=20 + i)
+            out = run_poisoned(a, b, c, config=CONFIGS["ws128"])
+            err = rel_err(out, reference(a, b, c))
+            assert err <= 1e-2, (M, N, K, bias, err)
+
+
+def test_warp_specialized_refuses_what_it_cannot_run():
+    a, b, c = make_operands(256, 128, 64, torch.float32, b_trans=True, bias=False)
+    with pytest.raises(GemmUnsupported, match="bf16 / fp16 only"):
+        gemm(a, b, config=CONFIGS["ws128"])
+    a, b, c = make_operands(256, 128, 64, torch.bfloat16, b_trans=False, a_trans=True)
+    with pytest.raises(GemmUnsupported, match="transposed view"):
+        gemm(a, b, config=CONFIGS["ws128"])
+
+
 def test_transposed_a():
     for i, (M, N, K) in enumerate([(1000, 520, 776), (264, 1032, 2056)]):
         a, b, c = make_operands(M, N, K, torch.bfloat16, b_trans=False, a_trans=True, bias=True, seed=i)
@@ -99,7 +120,7 @@ def test_fp32_tf32_switch(b_trans):
     assert err_tf32 > 10 * err_ieee, (err_tf32, err_ieee)  # TF32 really ran when allowed, and only then
 
 
-@pytest.mark.parametrize("config", [None, "bn128", "bn256_nested"])
+@pytest.mark.parametrize("config", [None, "bn128", "bn256_nested", "ws128"])
 def test_bit_identical_over_grid_sizes(config):
     M, N, K = 1536, 1792, 2056
     cfg = CONFIGS[config] if config else select_config(M, N, K, torch.bfloat16)

@@ -166,3 +166,34 @@ def test_errors_before_any_device_work():
         with pytest.raises(GemmUnsupported, match="CUDA"):
             gemm(x, x)
     assert isinstance(GemmUnsupported("x"), ValueError)
+
+
+def test_warp_specialized_config_says_why_it_cannot_run_here():
+    from kosmos.kernels.gemm import GemmLayout, ws_unsupported
+    from kosmos.kernels.gemm_ws_host import gluon_missing
+
+    assert gluon_missing() is None  # the pinned triton has the Gluon API gemm_ws.py is written against
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    lay = GemmLayout(64, 64, 64, a_lead=64, b_trans=True, b_lead=64)
+    assert "bf16 / fp16 only" in ws_unsupported(x.float(), lay)
+    assert "transposed view" in ws_unsupported(x, GemmLayout(64, 64, 64, a_trans=True, a_lead=64))
+    reason = ws_unsupported(x, lay)
+    assert reason is not None and ("sm_90" in reason or "interpreter" in reason)
+    # the warp-specialized kernel keeps its stage ring and a store buffer per consumer under Hopper's 227 KiB
+    for name, cfg in CONFIGS.items():
+        if cfg.kernel == "ws":
+            smem = (cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k * 2
+                    + cfg.ws_consumers * cfg.block_m * cfg.block_n * 2)
+            assert smem <= 227 * 1024, name
+
+
+def test_plain_gemm_table():
+    from kosmos.kernels.gemm import plain_gemm_config
+
+    # one wave and a bit of 128x256 tiles (M=4096, N=1280): 128x128 tiles fill the waves better
+    assert plain_gemm_config(4096, 1280, 5120, torch.bfloat16) is CONFIGS["ws128_1c"]
+    assert plain_gemm_config(8192, 2560, 5120, torch.bfloat16) is CONFIGS["ws256_1c"]
+    assert plain_gemm_config(32768, 14336, 8192, torch.float16) is CONFIGS["ws256_1c"]
+    # fp32, or no warp-specialized kernel here: the Triton table
+    assert plain_gemm_config(4096, 1280, 5120, torch.float32) is select_config(4096, 1280, 5120, torch.float32)
+    assert plain_gemm_config(4096, 1280, 5120, torch.bfloat16, ws_unavailable="no gluon") is CONFIGS["bn256"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _sm90 import compile_sm90, ptxas_path, ptxas_report
+from _sm90 import compile_sm90, compile_sm90_gluon, ptxas_path, ptxas_report
 
 pytestmark = pytest.mark.skipif(ptxas_path() is None, reason="triton without its NVIDIA backend (no ptxas)")
 
@@ -39,6 +39,32 @@ def test_gemm_core():
                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     rep = _report(k)
     assert rep["spill_stores"] == 0, rep["text"]
+
+
+@pytest.mark.parametrize("name", ["ws128", "ws64_1c", "ws128_1c", "ws256_1c"])
+@pytest.mark.parametrize("b_trans", [True, False], ids=["w.t()", "kn"])
+def test_gemm_warp_specialized(name, b_trans):
+    from kosmos.kernels import gemm, gemm_ws, gemm_ws_host
+
+    if gemm_ws_host.gluon_missing():
+        pytest.skip(gemm_ws_host.gluon_missing())
+    cfg = gemm.CONFIGS[name]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    k = compile_sm90_gluon(gemm_ws.gemm_ws_kernel,
+                           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
+                                B_TRANS=b_trans, HAS_BIAS=True, CONSUMER_REGS=232, PRODUCER_REGS=40,
+                                NUM_CONSUMERS=cfg.ws_consumers, PRODUCER_WARPS=1, CONSUMER_WARPS=cfg.num_warps),
+                           dict(bias_ptr=BF),
+                           dict(a_desc=(torch.bfloat16, (bm, bk)),
+                                b_desc=(torch.bfloat16, (bn, bk) if b_trans else (bk, bn)),
+                                c_desc=(torch.bfloat16, (bm, bn))),
+                           num_warps=cfg.num_warps)
+    rep = _report(k)
+    assert rep["spill_stores"] == 0, rep["text"]
+    ptx = k.asm["ptx"]
+    # the partitions really are split (register budgets moved between warpgroups), and fit the shared memory
+    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
+    assert k.metadata.shared <= 227 * 1024
 
 
 @pytest.mark.parametrize("weights,remap", [(1, False), (3, False), (1, True)], ids=["one_weight", "qkv", "remap"])

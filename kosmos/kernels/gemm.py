@@ -10,8 +10,9 @@ Pieces, in the order a kernel uses them:
 - ``stream_k_tail``: the ragged last wave of tiles spread over every SM as equal K ranges (fp32 partials,
   summed in fixed order by whichever contributor arrives last; nobody waits).
 - ``gemm_persistent_kernel``: one program per SM (or fewer), whole tiles strided over programs, then the tail.
-- ``gemm(a, b, bias=None)``: host launcher: boundary checks, config from a fixed table (select_config),
-  schedule (plan_gemm), host-side descriptors (make_descriptors).
+- ``gemm(a, b, bias=None)``: host launcher: boundary checks, config from a fixed table (plain_gemm_config:
+  on sm_90 with bf16 / fp16 the warp-specialized Gluon kernel of gemm_ws.py, else select_config), schedule
+  (plan_gemm), host-side descriptors (make_descriptors).
 
 Layouts (no copies): A is [M, K] row-major or a transposed view of a row-major [K, M];
 B is [K, N] row-major or, the usual case, a transposed view of a Linear weight [N, K] (``w.t()``).
@@ -24,6 +25,8 @@ Measured on the H200 against cuBLAS: benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
+import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -32,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+log = logging.getLogger("kosmos")
 
 __all__ = [
     # jit
@@ -52,6 +57,7 @@ __all__ = [
     "input_precision",
     "make_descriptors",
     "num_sms",
+    "plain_gemm_config",
     "plan_gemm",
     "select_config",
     "why_unsupported",
@@ -231,12 +237,14 @@ class GemmConfig:
     flatten: bool = True
     stream_k: bool = True  # spread a ragged last wave over all SMs (stream_k_tail) when the plan says it pays
     sk_max_split: int = 4  # at most this many workers (+1) share one stream-K tile
+    kernel: str = "pipelined"  # "pipelined": gemm_persistent_kernel; "ws": gemm_ws.gemm_ws_kernel (sm_90, 2-byte)
+    ws_consumers: int = 2  # "ws": MMA partitions taking alternate tiles (2: ping-pong, 1: num_warps warps)
 
     @property
     def name(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}_s{self.num_stages}w{self.num_warps}"
                 f"g{self.group_m}{'_sub' if self.epilogue_subtile else ''}{'_flat' if self.flatten else ''}"
-                f"{'_sk' if self.stream_k else ''}")
+                f"{'_sk' if self.stream_k else ''}{f'_ws{self.ws_consumers}' if self.kernel == 'ws' else ''}")
 
 
 # Candidates timed on the H200 (benchmarks/gemm.py --sweep, 2026-11-29): 128x256x64 s3 w8 subtiled flattened
@@ -254,6 +262,20 @@ CONFIGS: dict[str, GemmConfig] = {
     "bn128_w4": GemmConfig(128, 128, 64, num_stages=4, num_warps=4, epilogue_subtile=False),
     "bn128_k128": GemmConfig(128, 128, 128, num_stages=3, num_warps=8),
     "bn128_nested": GemmConfig(128, 128, 64, num_stages=4, num_warps=8, epilogue_subtile=False, flatten=False),
+    # Warp-specialized (gemm_ws.py), whole tiles only. H200 sweep 2026-11-30 (ratio to cuBLAS over the grid,
+    # median / min): ws256_1c 1.013 / 0.64 (best on every shape with full waves), ws128_1c 0.969 / 0.81 (best
+    # where 128x256 tiles leave the last wave mostly empty), ws128 ping-pong 0.949 / 0.75, ws64_1c 0.82 on
+    # the QKV / gate+up shapes: plain_gemm_config picks between the first two.
+    "ws128": GemmConfig(128, 128, 64, num_stages=4, num_warps=4, epilogue_subtile=False, flatten=False,
+                        stream_k=False, kernel="ws"),
+    "ws128_s5": GemmConfig(128, 128, 64, num_stages=5, num_warps=4, epilogue_subtile=False, flatten=False,
+                           stream_k=False, kernel="ws"),
+    "ws128_1c": GemmConfig(128, 128, 64, num_stages=5, num_warps=4, epilogue_subtile=False, flatten=False,
+                           stream_k=False, kernel="ws", ws_consumers=1),
+    "ws64_1c": GemmConfig(64, 128, 64, num_stages=6, num_warps=4, epilogue_subtile=False, flatten=False,
+                          stream_k=False, kernel="ws", ws_consumers=1),
+    "ws256_1c": GemmConfig(128, 256, 64, num_stages=3, num_warps=8, epilogue_subtile=False, flatten=False,
+                           stream_k=False, kernel="ws", ws_consumers=1),
     # fp32 operands, TF32 tensor cores: 4-byte elements, so smaller K blocks fit the shared memory.
     "fp32": GemmConfig(128, 128, 32, num_stages=3, num_warps=8),
     # fp32 exact (no tensor cores, FMA): larger tiles spill registers (sm_90 compile: 64x64x16 w4 has none).
@@ -266,6 +288,33 @@ def select_config(M: int, N: int, K: int, dtype: torch.dtype) -> GemmConfig:
     if dtype == torch.float32:
         return CONFIGS["fp32" if input_precision(dtype) == "tf32" else "fp32_ieee"]
     return CONFIGS["bn256"]
+
+
+# Whole-tile wave efficiency that 128x128 tiles must beat 128x256 ones by before the plain GEMM takes them
+# (H200 sweep, 2026-11-30: the 128x256 warp-specialized kernel is ~4-7% faster per tile where both fill waves).
+WS_SMALL_TILE_MARGIN = 0.93
+
+
+def _wave_efficiency(M: int, N: int, cfg: GemmConfig, workers: int) -> float:
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    return tiles / (math.ceil(tiles / workers) * workers)
+
+
+def plain_gemm_config(M: int, N: int, K: int, dtype: torch.dtype, workers: int = 132,
+                      ws_unavailable: Optional[str] = None) -> GemmConfig:
+    """The config gemm() takes for a call without one: the warp-specialized kernel (128x256 tiles, or 128x128
+    where those fill the last wave much better) for bf16 / fp16, else select_config (also when ws_unavailable
+    gives the reason the warp-specialized kernel cannot run). Fused kernels keep select_config: they reuse
+    the Triton tile loop."""
+    if ws_unavailable is not None or dtype not in (torch.bfloat16, torch.float16):
+        return select_config(M, N, K, dtype)
+    wide, narrow = CONFIGS["ws256_1c"], CONFIGS["ws128_1c"]
+    if _wave_efficiency(M, N, wide, workers) < WS_SMALL_TILE_MARGIN * _wave_efficiency(M, N, narrow, workers):
+        return narrow
+    return wide
+
+
+_WS_SKIPS_LOGGED: set = set()
 
 
 @dataclass(frozen=True)
@@ -509,7 +558,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, 
         if bias is not None:
             c += bias
         return c
-    cfg = config or select_config(M, N, K, a.dtype)
+    if config is None:
+        ws_reason = ws_unsupported(a, lay)
+        half = a.dtype in (torch.bfloat16, torch.float16)
+        if ws_reason is not None and half and ws_reason not in _WS_SKIPS_LOGGED:
+            _WS_SKIPS_LOGGED.add(ws_reason)
+            log.info("kosmos gemm: the warp-specialized kernel cannot run (%s); the pipelined kernel runs", ws_reason)
+        config = plain_gemm_config(M, N, K, a.dtype, num_sms(a.device), ws_reason)
+    cfg = config
     precision = input_precision(a.dtype)
     sms = num_sms(a.device)
     plan = plan_gemm(M, N, K, cfg, sms, force_stream_k=stream_k)
@@ -520,6 +576,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, 
         cnt = stream_k_counters(a.device, plan.sk_tiles)
     else:
         ws, cnt = c, c  # never touched without STREAM_K
+    if cfg.kernel == "ws":
+        reason = ws_unsupported(a, lay)
+        if reason is not None:
+            raise GemmUnsupported(f"gemm: config {cfg.name} (warp-specialized): {reason}")
+        _launch_ws(a, b, bias, c, cfg, lay, min(plan.tiles, num_programs or sms))
+        return c
     a_desc, b_desc, c_desc = make_descriptors(a, b, c, cfg, lay)
     gemm_persistent_kernel[(programs,)](
         a_desc, b_desc, c_desc, bias if bias is not None else c, ws, cnt, M, N, K,
@@ -530,3 +592,16 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, 
         DOT_PRECISION="ieee" if precision == "ieee" else "tf32",
         num_stages=cfg.num_stages, num_warps=cfg.num_warps)
     return c
+
+
+def ws_unsupported(a: torch.Tensor, lay: GemmLayout) -> Optional[str]:
+    """Why the warp-specialized kernel (gemm_ws.py) cannot take this call, or None."""
+    from kosmos.kernels import gemm_ws_host
+
+    return gemm_ws_host.unsupported(a, lay)
+
+
+def _launch_ws(a, b, bias, c, cfg: GemmConfig, lay: GemmLayout, programs: int) -> None:
+    from kosmos.kernels import gemm_ws_host
+
+    gemm_ws_host.launch(a, b, bias, c, cfg, lay, programs)

@@ -58,7 +58,7 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, bias_ptr, M, N, K,
+def _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, M, N, K,
               CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
               STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr):
@@ -69,6 +69,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, bias_ptr, M, N
     ahead of it (a parity wait cannot tell phase p from p + 2), and the tensor cores serve one K loop at a time
     while the other consumer runs its epilogue.
     """
+    c_smem = c_smems.index(CONSUMER)
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     num_pid_m = gl.cdiv(M, BLOCK_M)
@@ -118,24 +119,6 @@ def _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, bias_ptr, M, N
 
 
 @gluon.jit
-def _consumer0(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, M, N, K,
-               NUM_CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-               B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr):
-    _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems.index(0), bias_ptr, M, N, K, 0, NUM_CONSUMERS,
-              CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS)
-
-
-@gluon.jit
-def _consumer1(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, M, N, K,
-               NUM_CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-               B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr):
-    _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems.index(1), bias_ptr, M, N, K, 1, NUM_CONSUMERS,
-              CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS)
-
-
-@gluon.jit
 def gemm_ws_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                    STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr,
@@ -161,16 +144,16 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K,
     # (the argument tuples stay literal: a tuple assigned to a name turns its constexprs into tensors)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer0, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, M, N, K, 2, 4,
+            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, M, N, K, 0, 2, 4,
                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS)),
-            (_consumer1, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, M, N, K, 2, 4,
+            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, M, N, K, 1, 2, 4,
                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                          STAGES, B_TRANS)),
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer0, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, M, N, K, 1, CONSUMER_WARPS,
+            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, M, N, K, 0, 1, CONSUMER_WARPS,
                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                          STAGES, B_TRANS)),

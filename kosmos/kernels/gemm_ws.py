@@ -1,14 +1,16 @@
-"""Warp-specialized persistent GEMM for sm_90 (Gluon): one TMA producer warp, two MMA warpgroups in ping-pong.
+"""Warp-specialized persistent GEMM for sm_90 (Gluon): a TMA producer warp feeding wgmma consumer warps.
 
 Why a second GEMM kernel: Triton's software pipeliner issues the TMA loads, the wgmma waits and the epilogue from
-the same warps, so on short problems (one to three waves of tiles, the QKV projections of a TP shard) the tensor
-cores idle while the epilogue runs and the kernel reaches ~650 TF/s where cuBLAS, warp-specialized, reaches ~760.
-Here a producer warp fills a ring of shared-memory stages, and two consumer warpgroups take alternate tiles of the
-program's static tile list: consumer 1's K loop starts as consumer 0's finishes (its stages come next in the ring),
-so one consumer's epilogue (convert, shared-memory store, TMA store) runs beside the other's MMAs.
+the same warps; here a producer warp fills a ring of shared-memory stages (ready / empty mbarriers) and never
+stalls the MMA warps, which only wait on data. The MMA side is one consumer (NUM_CONSUMERS=1: 4 warps for 128x128
+tiles, 8 for 128x256) or two 4-warp consumers in ping-pong (NUM_CONSUMERS=2) taking alternate tiles of the
+program's static tile list, their K loops in turns so one consumer's epilogue runs beside the other's MMAs.
+Measured on the H200 (benchmarks/RESULTS.md, eleventh session) the one-consumer kernels are the faster ones, and
+gemm.plain_gemm_config picks between them.
 
 C = A @ B (+ bias): A [M, K] row-major; B either [N, K] (a Linear weight, B_TRANS) or [K, N]; bf16 / fp16 in,
-fp32 accumulate. The host side (descriptors, grid, availability on this triton) is in gemm.py.
+fp32 accumulate. Each output tile is computed by one consumer in a fixed K order, so results do not depend on the
+grid. The host side (descriptors, grid, availability on this triton) is in gemm_ws_host.py.
 """
 from __future__ import annotations
 

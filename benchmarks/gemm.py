@@ -22,7 +22,7 @@ import time
 import torch
 import triton
 
-from kosmos.kernels.gemm import CONFIGS, check_operands, gemm, num_sms, plain_gemm_config, plan_gemm, ws_unsupported
+from kosmos.kernels.gemm import CONFIGS, check_operands, default_config, gemm, num_sms, plan_gemm
 from measure import bench_graph, rel_err
 
 MS = (4096, 8192, 16384, 32768)
@@ -54,7 +54,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sweep", action="store_true", help="time every candidate config")
     p.add_argument("--configs", default=DEFAULT_SWEEP,
-                   help="comma-separated candidates for --sweep: 'table' (plain_gemm_config, what gemm() takes), "
+                   help="comma-separated candidates for --sweep: 'table' (default_config, what gemm() takes), "
                         "a CONFIGS name "
                         "(stream-K tail when plan_gemm says so), NAME+sk (stream-K forced), NAME+nosk (never)")
     p.add_argument("--ms", default=",".join(map(str, MS)))
@@ -109,8 +109,7 @@ def main():
             runs = {}
             for name in names:
                 base, _, mode = name.partition("+")
-                cfg = (plain_gemm_config(M, N, K, dtype, num_sms(a.device), ws_unsupported(a, check_operands(a, b)))
-                       if base == "table" else CONFIGS[base])
+                cfg = default_config(a, check_operands(a, b)) if base == "table" else CONFIGS[base]
                 sk = {"": None, "sk": True, "nosk": False}[mode]
                 plan = plan_gemm(M, N, K, cfg, num_sms(a.device), force_stream_k=sk)
                 entry = row["kernels"][name] = dict(config=cfg.name, sk_tiles=plan.sk_tiles, sk_iters=plan.sk_iters,

@@ -18,26 +18,16 @@ def ptxas_path() -> Optional[str]:
     return path if os.path.exists(path) else None
 
 
-def compile_sm90(fn, constexprs: dict, pointers: dict, descriptors: Optional[dict] = None, int64=(), floats=(),
-                 num_warps: int = 8, num_stages: int = 3):
-    """triton.compile of `fn` for sm_90: constexprs by name; pointers name -> element type ("bf16", "i32", ...,
-    16-byte aligned as the launchers guarantee); descriptors name -> (dtype, block shape) of a host TMA
-    descriptor; int64 / floats: scalar arguments of those types; every other argument an i32."""
-    import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler import compile as triton_compile
-    from triton.runtime.jit import mangle_type
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    descriptors = descriptors or {}
+def _source(source_cls, fn, constexprs: dict, pointers: dict, descriptors: dict, descriptor_type, int64=(),
+            floats=()):
+    """The compiler's source for `fn`: signature from the argument names (see compile_sm90); descriptor_type maps
+    a descriptor's (dtype, block shape) to its mangled type."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
         elif name in descriptors:
-            dtype, block = descriptors[name]
-            sig[name] = mangle_type(TensorDescriptor.from_tensor(torch.empty(64, 64, dtype=dtype), list(block)))
+            sig[name] = descriptor_type(*descriptors[name])
         elif name in pointers:
             sig[name] = "*" + pointers[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -50,40 +40,50 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, descriptors: Optional[dic
     unknown = set(constexprs) - set(fn.arg_names)
     if unknown:
         raise ValueError(f"{fn.__name__} has no arguments {sorted(unknown)}")
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
-    return triton_compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=num_warps,
-                                                                                  num_stages=num_stages))
+    return source_cls(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+
+
+def _compile(src, **options):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+
+    return triton_compile(src, target=GPUTarget("cuda", 90, 128), options=options)
+
+
+def compile_sm90(fn, constexprs: dict, pointers: dict, descriptors: Optional[dict] = None, int64=(), floats=(),
+                 num_warps: int = 8, num_stages: int = 3):
+    """triton.compile of `fn` for sm_90: constexprs by name; pointers name -> element type ("bf16", "i32", ...,
+    16-byte aligned as the launchers guarantee); descriptors name -> (dtype, block shape) of a host TMA
+    descriptor; int64 / floats: scalar arguments of those types; every other argument an i32."""
+    import torch
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def descriptor_type(dtype, block):
+        return mangle_type(TensorDescriptor.from_tensor(torch.empty(64, 64, dtype=dtype), list(block)))
+
+    src = _source(ASTSource, fn, constexprs, pointers, descriptors or {}, descriptor_type, int64, floats)
+    return _compile(src, num_warps=num_warps, num_stages=num_stages)
 
 
 def compile_sm90_gluon(fn, constexprs: dict, pointers: dict, descriptors: dict, num_warps: int = 4):
     """compile_sm90 for a Gluon kernel: descriptors name -> (dtype, block shape), each with the default
     NVMMASharedLayout of its block (what the host launchers build)."""
     import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import compile as triton_compile
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
     el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            sig[name] = "constexpr"
-        elif name in descriptors:
-            dtype, block = descriptors[name]
-            t = torch.empty(256, 256, dtype=dtype)
-            sig[name] = mangle_type(TensorDescriptor.from_tensor(
-                t, list(block), gl.NVMMASharedLayout.get_default_for(list(block), el[dtype])))
-        elif name in pointers:
-            sig[name] = "*" + pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i32"
-    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
-                         attrs=attrs)
-    return triton_compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=num_warps))
+
+    def descriptor_type(dtype, block):
+        layout = gl.NVMMASharedLayout.get_default_for(list(block), el[dtype])
+        return mangle_type(TensorDescriptor.from_tensor(torch.empty(256, 256, dtype=dtype), list(block), layout))
+
+    return _compile(_source(GluonASTSource, fn, constexprs, pointers, descriptors, descriptor_type),
+                    num_warps=num_warps)
 
 
 def ptxas_report(ptx: str) -> dict:

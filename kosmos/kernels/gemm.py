@@ -10,8 +10,9 @@ Pieces, in the order a kernel uses them:
 - ``stream_k_tail``: the ragged last wave of tiles spread over every SM as equal K ranges (fp32 partials,
   summed in fixed order by whichever contributor arrives last; nobody waits).
 - ``gemm_persistent_kernel``: one program per SM (or fewer), whole tiles strided over programs, then the tail.
-- ``gemm(a, b, bias=None)``: host launcher: boundary checks, config from a fixed table (plain_gemm_config:
-  on sm_90 with bf16 / fp16 the warp-specialized Gluon kernel of gemm_ws.py, else select_config), schedule
+- ``gemm(a, b, bias=None)``: host launcher: boundary checks, config from a fixed table (default_config /
+  plain_gemm_config: on sm_90 with bf16 / fp16 the warp-specialized Gluon kernel of gemm_ws.py, else
+  select_config), schedule
   (plan_gemm), host-side descriptors (make_descriptors).
 
 Layouts (no copies): A is [M, K] row-major or a transposed view of a row-major [K, M];
@@ -36,6 +37,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kosmos.kernels import gemm_ws_host
+from kosmos.kernels.gemm_ws_host import unsupported as ws_unsupported
+
 log = logging.getLogger("kosmos")
 
 __all__ = [
@@ -53,6 +57,7 @@ __all__ = [
     "GemmPlan",
     "GemmUnsupported",
     "check_operands",
+    "default_config",
     "gemm",
     "input_precision",
     "make_descriptors",
@@ -268,8 +273,6 @@ CONFIGS: dict[str, GemmConfig] = {
     # the QKV / gate+up shapes: plain_gemm_config picks between the first two.
     "ws128": GemmConfig(128, 128, 64, num_stages=4, num_warps=4, epilogue_subtile=False, flatten=False,
                         stream_k=False, kernel="ws"),
-    "ws128_s5": GemmConfig(128, 128, 64, num_stages=5, num_warps=4, epilogue_subtile=False, flatten=False,
-                           stream_k=False, kernel="ws"),
     "ws128_1c": GemmConfig(128, 128, 64, num_stages=5, num_warps=4, epilogue_subtile=False, flatten=False,
                            stream_k=False, kernel="ws", ws_consumers=1),
     "ws64_1c": GemmConfig(64, 128, 64, num_stages=6, num_warps=4, epilogue_subtile=False, flatten=False,
@@ -315,6 +318,16 @@ def plain_gemm_config(M: int, N: int, K: int, dtype: torch.dtype, workers: int =
 
 
 _WS_SKIPS_LOGGED: set = set()
+
+
+def default_config(a: torch.Tensor, lay: GemmLayout) -> GemmConfig:
+    """The config gemm() takes for these operands (lay = check_operands(a, b, ...)) when it is given none: the
+    warp-specialized kernel where it can run, else the Triton table; why it cannot run is logged once."""
+    ws_reason = ws_unsupported(a, lay)
+    if ws_reason is not None and a.dtype in (torch.bfloat16, torch.float16) and ws_reason not in _WS_SKIPS_LOGGED:
+        _WS_SKIPS_LOGGED.add(ws_reason)
+        log.info("kosmos gemm: the warp-specialized kernel cannot run (%s); the pipelined kernel runs", ws_reason)
+    return plain_gemm_config(lay.M, lay.N, lay.K, a.dtype, num_sms(a.device), ws_reason)
 
 
 @dataclass(frozen=True)
@@ -559,13 +572,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, 
             c += bias
         return c
     if config is None:
-        ws_reason = ws_unsupported(a, lay)
-        half = a.dtype in (torch.bfloat16, torch.float16)
-        if ws_reason is not None and half and ws_reason not in _WS_SKIPS_LOGGED:
-            _WS_SKIPS_LOGGED.add(ws_reason)
-            log.info("kosmos gemm: the warp-specialized kernel cannot run (%s); the pipelined kernel runs", ws_reason)
-        config = plain_gemm_config(M, N, K, a.dtype, num_sms(a.device), ws_reason)
-    cfg = config
+        cfg = default_config(a, lay)  # takes the warp-specialized kernel only where it can run
+    else:
+        cfg = config
+        reason = ws_unsupported(a, lay) if cfg.kernel == "ws" else None
+        if reason is not None:
+            raise GemmUnsupported(f"gemm: config {cfg.name} (warp-specialized): {reason}")
     precision = input_precision(a.dtype)
     sms = num_sms(a.device)
     plan = plan_gemm(M, N, K, cfg, sms, force_stream_k=stream_k)
@@ -577,10 +589,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, 
     else:
         ws, cnt = c, c  # never touched without STREAM_K
     if cfg.kernel == "ws":
-        reason = ws_unsupported(a, lay)
-        if reason is not None:
-            raise GemmUnsupported(f"gemm: config {cfg.name} (warp-specialized): {reason}")
-        _launch_ws(a, b, bias, c, cfg, lay, min(plan.tiles, num_programs or sms))
+        gemm_ws_host.launch(a, b, bias, c, cfg, lay, min(plan.tiles, num_programs or sms))
         return c
     a_desc, b_desc, c_desc = make_descriptors(a, b, c, cfg, lay)
     gemm_persistent_kernel[(programs,)](
@@ -592,16 +601,3 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, 
         DOT_PRECISION="ieee" if precision == "ieee" else "tf32",
         num_stages=cfg.num_stages, num_warps=cfg.num_warps)
     return c
-
-
-def ws_unsupported(a: torch.Tensor, lay: GemmLayout) -> Optional[str]:
-    """Why the warp-specialized kernel (gemm_ws.py) cannot take this call, or None."""
-    from kosmos.kernels import gemm_ws_host
-
-    return gemm_ws_host.unsupported(a, lay)
-
-
-def _launch_ws(a, b, bias, c, cfg: GemmConfig, lay: GemmLayout, programs: int) -> None:
-    from kosmos.kernels import gemm_ws_host
-
-    gemm_ws_host.launch(a, b, bias, c, cfg, lay, programs)

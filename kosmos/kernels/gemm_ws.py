@@ -22,7 +22,8 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warp
 
 @gluon.jit
 def _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    """Tile index -> (pid_m, pid_n) in the grouped order of gemm.tile_coords (GROUP_M rows of tiles share A in L2)."""
+    """Tile index -> (pid_m, pid_n) in the grouped order of gemm.tile_coords (GROUP_M rows of tiles share A in L2).
+    A copy, not a call: a Gluon kernel cannot call a @triton.jit function."""
     num_pid_in_group = GROUP_M * num_pid_n
     group_id = tile_id // num_pid_in_group
     first_pid_m = group_id * GROUP_M

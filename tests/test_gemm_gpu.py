@@ -120,7 +120,7 @@ def test_fp32_tf32_switch(b_trans):
     assert err_tf32 > 10 * err_ieee, (err_tf32, err_ieee)  # TF32 really ran when allowed, and only then
 
 
-@pytest.mark.parametrize("config", [None, "bn128", "bn256_nested", "ws128"])
+@pytest.mark.parametrize("config", [None, "bn128", "bn256_nested", "ws128", "ws128_1c_sk"])
 def test_bit_identical_over_grid_sizes(config):
     M, N, K = 1536, 1792, 2056
     cfg = CONFIGS[config] if config else select_config(M, N, K, torch.bfloat16)
@@ -131,20 +131,40 @@ def test_bit_identical_over_grid_sizes(config):
         assert torch.equal(first, again), programs
 
 
-@pytest.mark.parametrize("M,N,K", [(4096, 1280, 8192), (1000, 1288, 1544), (264, 72, 20000)])
-def test_stream_k_tail(M, N, K):
+@pytest.mark.parametrize("config", ["bn256", "ws128_1c_sk", "ws128_1c_sk2"])
+@pytest.mark.parametrize("M,N,K", [(4096, 1280, 8192), (1000, 1288, 1544), (264, 72, 20000), (4104, 1288, 200)])
+def test_stream_k_tail(M, N, K, config):
     """Forced stream-K tail (ragged last wave spread over every SM): same numerics, fully written, grid-free."""
+    cfg = CONFIGS[config]
     a, b, c = make_operands(M, N, K, torch.bfloat16, b_trans=True, bias=True, seed=11)
-    out = run_poisoned(a, b, c, stream_k=True)
+    out = run_poisoned(a, b, c, config=cfg, stream_k=True)
     assert rel_err(out, reference(a, b, c)) <= 1e-2
     for programs in (1, 13):
-        assert torch.equal(out, run_poisoned(a, b, c, stream_k=True, num_programs=programs))
-    plain = run_poisoned(a, b, c, stream_k=False)
+        assert torch.equal(out, run_poisoned(a, b, c, config=cfg, stream_k=True, num_programs=programs))
+    plain = run_poisoned(a, b, c, config=cfg, stream_k=False)
     assert rel_err(plain, reference(a, b, c)) <= 1e-2
     torch.cuda.synchronize()
     from kosmos.kernels.gemm import stream_k_counters
 
     assert int(stream_k_counters(a.device, 1).abs().sum()) == 0  # the last contributor of each tile reset it
+
+
+def test_stream_k_tail_in_a_cuda_graph():
+    """A captured stream-K GEMM replayed on changing inputs: the arrival counters come back to zero every replay."""
+    cfg = CONFIGS["ws128_1c_sk"]
+    a, b, c = make_operands(4096, 1280, 2048, torch.bfloat16, b_trans=True, bias=True, seed=13)
+    out = torch.empty(4096, 1280, device="cuda", dtype=torch.bfloat16)
+    gemm(a, b, c, out=out, config=cfg, stream_k=True)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm(a, b, c, out=out, config=cfg, stream_k=True)
+    for i in range(5):
+        a.copy_(torch.randn(a.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(i)))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gemm(a, b, c, config=cfg, stream_k=True)), i
 
 
 def test_clear_errors():

@@ -275,6 +275,12 @@ CONFIGS: dict[str, GemmConfig] = {
                         stream_k=False, kernel="ws"),
     "ws128_1c": GemmConfig(128, 128, 64, num_stages=5, num_warps=4, epilogue_subtile=False, flatten=False,
                            stream_k=False, kernel="ws", ws_consumers=1),
+    # ws128_1c with the stream-K tail (one consumer only: gemm_ws's partial store spills with 128x256 tiles);
+    # _sk2 cuts each tail tile in at most two K ranges.
+    "ws128_1c_sk": GemmConfig(128, 128, 64, num_stages=5, num_warps=4, epilogue_subtile=False, flatten=False,
+                              stream_k=True, kernel="ws", ws_consumers=1),
+    "ws128_1c_sk2": GemmConfig(128, 128, 64, num_stages=5, num_warps=4, epilogue_subtile=False, flatten=False,
+                               stream_k=True, sk_max_split=2, kernel="ws", ws_consumers=1),
     "ws64_1c": GemmConfig(64, 128, 64, num_stages=6, num_warps=4, epilogue_subtile=False, flatten=False,
                           stream_k=False, kernel="ws", ws_consumers=1),
     "ws256_1c": GemmConfig(128, 256, 64, num_stages=3, num_warps=8, epilogue_subtile=False, flatten=False,
@@ -589,7 +595,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, 
     else:
         ws, cnt = c, c  # never touched without STREAM_K
     if cfg.kernel == "ws":
-        gemm_ws_host.launch(a, b, bias, c, cfg, lay, min(plan.tiles, num_programs or sms))
+        gemm_ws_host.launch(a, b, bias, c, cfg, lay, plan, ws, cnt, programs)
         return c
     a_desc, b_desc, c_desc = make_descriptors(a, b, c, cfg, lay)
     gemm_persistent_kernel[(programs,)](

@@ -120,7 +120,7 @@ def test_fp32_tf32_switch(b_trans):
     assert err_tf32 > 10 * err_ieee, (err_tf32, err_ieee)  # TF32 really ran when allowed, and only then
 
 
-@pytest.mark.parametrize("config", [None, "bn128", "bn256_nested", "ws128", "ws128_1c_sk"])
+@pytest.mark.parametrize("config", [None, "bn128", "bn256_nested", "ws128", "ws128_1c_sk", "ws128_1c_ht"])
 def test_bit_identical_over_grid_sizes(config):
     M, N, K = 1536, 1792, 2056
     cfg = CONFIGS[config] if config else select_config(M, N, K, torch.bfloat16)
@@ -131,10 +131,12 @@ def test_bit_identical_over_grid_sizes(config):
         assert torch.equal(first, again), programs
 
 
-@pytest.mark.parametrize("config", ["bn256", "ws128_1c_sk", "ws128_1c_sk2"])
-@pytest.mark.parametrize("M,N,K", [(4096, 1280, 8192), (1000, 1288, 1544), (264, 72, 20000), (4104, 1288, 200)])
+@pytest.mark.parametrize("config", ["bn256", "ws128_1c_sk", "ws128_1c_sk2", "ws128_1c_ht"])
+@pytest.mark.parametrize("M,N,K", [(4096, 1280, 8192), (1000, 1288, 1544), (264, 72, 20000), (4104, 1288, 200),
+                                   (900, 2056, 520)])
 def test_stream_k_tail(M, N, K, config):
-    """Forced stream-K tail (ragged last wave spread over every SM): same numerics, fully written, grid-free."""
+    """Forced tail schedule (ragged last wave spread over every SM: stream-K, or half tiles for a half_tail
+    config, where the last half tile may lie wholly past M): same numerics, fully written, grid-free."""
     cfg = CONFIGS[config]
     a, b, c = make_operands(M, N, K, torch.bfloat16, b_trans=True, bias=True, seed=11)
     out = run_poisoned(a, b, c, config=cfg, stream_k=True)

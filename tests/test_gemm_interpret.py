@@ -188,10 +188,15 @@ def test_warp_specialized_config_says_why_it_cannot_run_here():
 
 
 def test_plain_gemm_table():
-    from kosmos.kernels.gemm import plain_gemm_config
+    from kosmos.kernels.gemm import plain_gemm_config, plan_gemm
 
-    # one wave and a bit of 128x256 tiles (M=4096, N=1280): 128x128 tiles fill the waves better
-    assert plain_gemm_config(4096, 1280, 5120, torch.bfloat16) is CONFIGS["ws128_1c"]
+    # one wave and a bit of 128x256 tiles (M=4096, N=1280): 128x128 tiles fill the waves better, and their
+    # ragged third wave (56 tiles) runs as 112 half tiles
+    cfg = plain_gemm_config(4096, 1280, 5120, torch.bfloat16)
+    assert cfg is CONFIGS["ws128_1c_ht"]
+    assert plan_gemm(4096, 1280, 5120, cfg, 132).half_tiles == 56
+    # a ragged wave of more than half the SMs stays whole (two rounds of half tiles would be slower)
+    assert plan_gemm(8192, 1280, 5120, cfg, 132).half_tiles == 0
     assert plain_gemm_config(8192, 2560, 5120, torch.bfloat16) is CONFIGS["ws256_1c"]
     assert plain_gemm_config(32768, 14336, 8192, torch.float16) is CONFIGS["ws256_1c"]
     # fp32, or no warp-specialized kernel here: the Triton table

@@ -41,7 +41,7 @@ def test_gemm_core():
     assert rep["spill_stores"] == 0, rep["text"]
 
 
-@pytest.mark.parametrize("name", ["ws128", "ws64_1c", "ws128_1c", "ws256_1c", "ws128_1c_sk"])
+@pytest.mark.parametrize("name", ["ws128", "ws64_1c", "ws128_1c", "ws256_1c", "ws128_1c_sk", "ws128_1c_ht"])
 @pytest.mark.parametrize("b_trans", [True, False], ids=["w.t()", "kn"])
 def test_gemm_warp_specialized(name, b_trans):
     from kosmos.kernels import gemm, gemm_ws, gemm_ws_host
@@ -52,13 +52,13 @@ def test_gemm_warp_specialized(name, b_trans):
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     k = compile_sm90_gluon(gemm_ws.gemm_ws_kernel,
                            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
-                                B_TRANS=b_trans, HAS_BIAS=True, STREAM_K=cfg.stream_k, CONSUMER_REGS=232,
-                                PRODUCER_REGS=40,
-                                NUM_CONSUMERS=cfg.ws_consumers, PRODUCER_WARPS=1, CONSUMER_WARPS=cfg.num_warps),
+                                B_TRANS=b_trans, HAS_BIAS=True, STREAM_K=cfg.stream_k, HALF_TAIL=cfg.half_tail,
+                                CONSUMER_REGS=232, PRODUCER_REGS=40, NUM_CONSUMERS=cfg.ws_consumers,
+                                PRODUCER_WARPS=1, CONSUMER_WARPS=cfg.num_warps),
                            dict(bias_ptr=BF, ws_ptr="fp32", cnt_ptr="i32"),
-                           dict(a_desc=(torch.bfloat16, (bm, bk)),
+                           dict(a_desc=(torch.bfloat16, (bm, bk)), a_half_desc=(torch.bfloat16, (bm // 2, bk)),
                                 b_desc=(torch.bfloat16, (bn, bk) if b_trans else (bk, bn)),
-                                c_desc=(torch.bfloat16, (bm, bn))),
+                                c_desc=(torch.bfloat16, (bm, bn)), c_half_desc=(torch.bfloat16, (bm // 2, bn))),
                            num_warps=cfg.num_warps)
     rep = _report(k)
     assert rep["spill_stores"] == 0, rep["text"]

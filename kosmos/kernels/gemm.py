@@ -242,6 +242,7 @@ class GemmConfig:
     flatten: bool = True
     stream_k: bool = True  # spread a ragged last wave over all SMs (stream_k_tail) when the plan says it pays
     sk_max_split: int = 4  # at most this many workers (+1) share one stream-K tile
+    half_tail: bool = False  # "ws", one consumer: the ragged last wave as tiles of block_m / 2 rows (plan_gemm)
     kernel: str = "pipelined"  # "pipelined": gemm_persistent_kernel; "ws": gemm_ws.gemm_ws_kernel (sm_90, 2-byte)
     ws_consumers: int = 2  # "ws": MMA partitions taking alternate tiles (2: ping-pong, 1: num_warps warps)
 
@@ -249,7 +250,8 @@ class GemmConfig:
     def name(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}_s{self.num_stages}w{self.num_warps}"
                 f"g{self.group_m}{'_sub' if self.epilogue_subtile else ''}{'_flat' if self.flatten else ''}"
-                f"{'_sk' if self.stream_k else ''}{f'_ws{self.ws_consumers}' if self.kernel == 'ws' else ''}")
+                f"{'_sk' if self.stream_k else ''}{'_ht' if self.half_tail else ''}"
+                f"{f'_ws{self.ws_consumers}' if self.kernel == 'ws' else ''}")
 
 
 # Candidates timed on the H200 (benchmarks/gemm.py --sweep, 2026-11-29): 128x256x64 s3 w8 subtiled flattened
@@ -281,6 +283,9 @@ CONFIGS: dict[str, GemmConfig] = {
                               stream_k=True, kernel="ws", ws_consumers=1),
     "ws128_1c_sk2": GemmConfig(128, 128, 64, num_stages=5, num_warps=4, epilogue_subtile=False, flatten=False,
                                stream_k=True, sk_max_split=2, kernel="ws", ws_consumers=1),
+    # ws128_1c with the ragged last wave cut in 64-row half tiles (twice the busy SMs there, no partial sums)
+    "ws128_1c_ht": GemmConfig(128, 128, 64, num_stages=5, num_warps=4, epilogue_subtile=False, flatten=False,
+                              stream_k=False, half_tail=True, kernel="ws", ws_consumers=1),
     "ws64_1c": GemmConfig(64, 128, 64, num_stages=6, num_warps=4, epilogue_subtile=False, flatten=False,
                           stream_k=False, kernel="ws", ws_consumers=1),
     "ws256_1c": GemmConfig(128, 256, 64, num_stages=3, num_warps=8, epilogue_subtile=False, flatten=False,
@@ -299,26 +304,30 @@ def select_config(M: int, N: int, K: int, dtype: torch.dtype) -> GemmConfig:
     return CONFIGS["bn256"]
 
 
-# Whole-tile wave efficiency that 128x128 tiles must beat 128x256 ones by before the plain GEMM takes them
-# (H200 sweep, 2026-11-30: the 128x256 warp-specialized kernel is ~4-7% faster per tile where both fill waves).
-WS_SMALL_TILE_MARGIN = 0.93
+# Time of a warp-specialized 128x256 tile, and of a 64x128 half tile, in 128x128 tile times (H200 sweeps of
+# 2026-11-30: the 128x256 kernel is ~4-7% faster per FLOP where both fill their waves; 64x128 tiles run at
+# about 0.82x the FLOP rate of 128x128 ones).
+WS_WIDE_TILE_COST = 2 * 0.93
+WS_HALF_TILE_COST = 0.62
 
 
-def _wave_efficiency(M: int, N: int, cfg: GemmConfig, workers: int) -> float:
-    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    return tiles / (math.ceil(tiles / workers) * workers)
+def _ws_estimate(M: int, N: int, K: int, cfg: GemmConfig, workers: int) -> float:
+    """Estimated time of the warp-specialized kernel with cfg, in 128x128 tile times (whole waves + tail)."""
+    plan = plan_gemm(M, N, K, cfg, workers)
+    tile_cost = WS_WIDE_TILE_COST if cfg.block_n == 256 else 1.0
+    return math.ceil(plan.dp_tiles / workers) * tile_cost + (WS_HALF_TILE_COST if plan.half_tiles else 0.0)
 
 
 def plain_gemm_config(M: int, N: int, K: int, dtype: torch.dtype, workers: int = 132,
                       ws_unavailable: Optional[str] = None) -> GemmConfig:
     """The config gemm() takes for a call without one: the warp-specialized kernel (128x256 tiles, or 128x128
-    where those fill the last wave much better) for bf16 / fp16, else select_config (also when ws_unavailable
-    gives the reason the warp-specialized kernel cannot run). Fused kernels keep select_config: they reuse
-    the Triton tile loop."""
+    with a half-tile tail where that is estimated faster: ragged last waves) for bf16 / fp16, else select_config
+    (also when ws_unavailable gives the reason the warp-specialized kernel cannot run). Fused kernels keep
+    select_config: they reuse the Triton tile loop."""
     if ws_unavailable is not None or dtype not in (torch.bfloat16, torch.float16):
         return select_config(M, N, K, dtype)
-    wide, narrow = CONFIGS["ws256_1c"], CONFIGS["ws128_1c"]
-    if _wave_efficiency(M, N, wide, workers) < WS_SMALL_TILE_MARGIN * _wave_efficiency(M, N, narrow, workers):
+    wide, narrow = CONFIGS["ws256_1c"], CONFIGS["ws128_1c_ht"]
+    if _ws_estimate(M, N, K, narrow, workers) < _ws_estimate(M, N, K, wide, workers):
         return narrow
     return wide
 
@@ -339,7 +348,8 @@ def default_config(a: torch.Tensor, lay: GemmLayout) -> GemmConfig:
 @dataclass(frozen=True)
 class GemmPlan:
     """How the tiles of one GEMM are spread: tiles [0, dp_tiles) whole, one per program in turn; the last
-    sk_tiles as one stream of K blocks cut into sk_workers ranges of sk_iters (stream_k_tail)."""
+    sk_tiles as one stream of K blocks cut into sk_workers ranges of sk_iters (stream_k_tail), or the last
+    half_tiles each as two tiles of block_m / 2 rows (the warp-specialized kernel's half_tail)."""
     tiles: int
     k_tiles: int
     dp_tiles: int
@@ -347,10 +357,11 @@ class GemmPlan:
     sk_workers: int = 0
     sk_iters: int = 0
     sk_max_contrib: int = 0
+    half_tiles: int = 0
 
     @property
     def work_units(self) -> int:
-        return self.dp_tiles + self.sk_workers
+        return self.dp_tiles + self.sk_workers + 2 * self.half_tiles
 
 
 # Stream-K cost model: each extra partial of a tile (fp32 store, reload, sum) costs about as much as this many
@@ -362,10 +373,17 @@ SK_MIN_GAIN = 0.05
 def plan_gemm(M: int, N: int, K: int, cfg: GemmConfig, workers: int, force_stream_k: Optional[bool] = None
               ) -> GemmPlan:
     """Tile schedule for `workers` programs (the SM count, never the actual grid, so results do not depend on
-    the grid). Stream-K covers the ragged last wave when the estimated time drops by SK_MIN_GAIN or more."""
+    the grid). Stream-K covers the ragged last wave when the estimated time drops by SK_MIN_GAIN or more; a
+    half_tail config cuts it in half tiles when they fit in one wave (force_stream_k=True: whenever it is
+    ragged; False: never)."""
     tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
     k_tiles = triton.cdiv(K, cfg.block_k)
     plain = GemmPlan(tiles, k_tiles, tiles)
+    if cfg.half_tail:
+        rest = tiles % workers if workers > 0 else 0
+        if force_stream_k is False or rest == 0 or (not force_stream_k and 2 * rest > workers):
+            return plain
+        return GemmPlan(tiles, k_tiles, tiles - rest, half_tiles=rest)
     if not cfg.stream_k or force_stream_k is False or workers < 2 or tiles == 0 or k_tiles < 2:
         return plain
     waves, rest = divmod(tiles, workers)

@@ -9,8 +9,9 @@ Measured on the H200 (benchmarks/RESULTS.md, eleventh session) the one-consumer 
 gemm.plain_gemm_config picks between them.
 
 C = A @ B (+ bias): A [M, K] row-major; B either [N, K] (a Linear weight, B_TRANS) or [K, N]; bf16 / fp16 in,
-fp32 accumulate. Whole tiles come first (gemm.plan_gemm's dp_tiles); with STREAM_K (one consumer only) the ragged
-last wave is one stream of K blocks cut into equal ranges over every SM, as in gemm.stream_k_tail: fp32 partials,
+fp32 accumulate. Whole tiles come first (gemm.plan_gemm's dp_tiles); the ragged last wave (one consumer only) is
+either cut in half tiles of BLOCK_M / 2 rows (HALF_TAIL: twice as many programs busy, no partial sums) or, with
+STREAM_K, one stream of K blocks cut into equal ranges over every SM, as in gemm.stream_k_tail: fp32 partials,
 summed in slot order by whichever contributor arrives last, nobody waits. Every output element's sum order is
 fixed by the plan (made for the SM count, not the grid), so results do not depend on the grid. The host side
 (descriptors, grid, availability on this triton) is in gemm_ws_host.py.
@@ -46,42 +47,51 @@ def _sk_segment(it, it_end, k_tiles):
 
 
 @gluon.jit
-def _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, pid_m, pid_n, k0, k1, it,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                  B_TRANS: gl.constexpr):
-    """Loads K blocks [k0, k1) of one tile into the ring from stage counter `it` on; returns the counter after."""
-    nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
+def _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k0, k1, it,
+                  ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  STAGES: gl.constexpr, B_TRANS: gl.constexpr):
+    """Loads K blocks [k0, k1) of the ROWS x BLOCK_N tile at (off_m, off_n) into the ring from stage counter `it`
+    on (A blocks of ROWS < BLOCK_M rows fill the first rows of a stage); returns the counter after."""
+    nbytes: gl.constexpr = (ROWS + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
     for ki in range(k0, k1):
         s = it % STAGES
         # a fresh barrier counts as released once: the first lap waits on the parity before phase 0
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
-        tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, ki * BLOCK_K], ready.index(s), a_bufs.index(s))
-        if B_TRANS:
-            tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, ki * BLOCK_K], ready.index(s),
-                                            b_bufs.index(s))
+        if ROWS == BLOCK_M:
+            a_dst = a_bufs.index(s)
         else:
-            tma.async_copy_global_to_shared(b_desc, [ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s),
-                                            b_bufs.index(s))
+            a_dst = a_bufs.index(s).slice(0, ROWS)
+        tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready.index(s), a_dst)
+        if B_TRANS:
+            tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
+        else:
+            tma.async_copy_global_to_shared(b_desc, [ki * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
         it += 1
     return it
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
+def _producer(a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
               num_dp_tiles, num_sk_tiles, sk_iters, sk_workers,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, B_TRANS: gl.constexpr, STREAM_K: gl.constexpr):
+              STAGES: gl.constexpr, B_TRANS: gl.constexpr, STREAM_K: gl.constexpr, HALF_TAIL: gl.constexpr):
     """Loads every K block of this program's work, in the consumers' order, into the stage ring (waits for a
-    stage's release): whole tiles, then its stream-K ranges."""
+    stage's release): whole tiles, then its half tiles or stream-K ranges."""
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
     it = 0
     for tile_id in range(gl.program_id(0), num_dp_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        it = _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, pid_m, pid_n, 0, k_tiles, it,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS)
+        it = _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, pid_m * BLOCK_M, pid_n * BLOCK_N, 0,
+                           k_tiles, it, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS)
+    if HALF_TAIL:
+        for u in range(gl.program_id(0), 2 * (num_pid_m * num_pid_n - num_dp_tiles), gl.num_programs(0)):
+            pid_m, pid_n = _tile_of(num_dp_tiles + u // 2, num_pid_m, num_pid_n, GROUP_M)
+            it = _load_k_range(a_half_desc, b_desc, a_bufs, b_bufs, ready, empty,
+                               pid_m * BLOCK_M + (u % 2) * (BLOCK_M // 2), pid_n * BLOCK_N, 0, k_tiles, it,
+                               BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS)
     if STREAM_K:
         total = num_sk_tiles * k_tiles
         for w in range(gl.program_id(0), sk_workers, gl.num_programs(0)):
@@ -90,18 +100,19 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
             while pos < pos_end:
                 t, k0, k1 = _sk_segment(pos, pos_end, k_tiles)
                 pid_m, pid_n = _tile_of(num_dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
-                it = _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, pid_m, pid_n, k0, k1, it,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS)
+                it = _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, pid_m * BLOCK_M, pid_n * BLOCK_N,
+                                   k0, k1, it, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS)
                 pos += k1 - k0
 
 
 @gluon.jit
 def _mma_k_range(a_bufs, b_bufs, ready, empty, turn, k0, k1, it, acc_layout: gl.constexpr,
-                 CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 STAGES: gl.constexpr, B_TRANS: gl.constexpr):
-    """fp32 sum over K blocks [k0, k1) of one tile, read from the ring from stage counter `it` on; every stage it
-    read goes back to the producer. With two consumers the other one's turn starts once the last MMA is issued."""
-    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+                 CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr):
+    """fp32 sum over K blocks [k0, k1) of one ROWS x BLOCK_N tile, read from the ring from stage counter `it` on;
+    every stage it read goes back to the producer. With two consumers the other one's turn starts once the last
+    MMA is issued."""
+    acc = gl.zeros((ROWS, BLOCK_N), dtype=gl.float32, layout=acc_layout)
     prev = 0
     for ki in range(k0, k1):
         s = it % STAGES
@@ -110,7 +121,11 @@ def _mma_k_range(a_bufs, b_bufs, ready, empty, turn, k0, k1, it, acc_layout: gl.
             b = b_bufs.index(s).permute((1, 0))
         else:
             b = b_bufs.index(s)
-        acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
+        if ROWS == BLOCK_M:
+            a = a_bufs.index(s)
+        else:
+            a = a_bufs.index(s).slice(0, ROWS)
+        acc = warpgroup_mma(a, b, acc, is_async=True)
         # one MMA stays in flight; the one before it has retired, so its stage goes back to the producer
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         mbarrier.arrive(empty.index(prev), pred=ki > k0)
@@ -124,27 +139,28 @@ def _mma_k_range(a_bufs, b_bufs, ready, empty, turn, k0, k1, it, acc_layout: gl.
 
 
 @gluon.jit
-def _store_tile(acc, c_desc, c_smem, bias_ptr, pid_m, pid_n, N, acc_layout: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr):
-    """C tile (pid_m, pid_n) = acc (+ bias), cast, TMA store through c_smem (TMA clips the ragged edges)."""
+def _store_tile(acc, c_desc, c_smem, bias_ptr, off_m, off_n, N, acc_layout: gl.constexpr,
+                BLOCK_N: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """C[off_m:, off_n:] = acc (+ bias), cast, TMA store through c_smem (TMA clips the ragged edges)."""
     if HAS_BIAS:
-        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         bias = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
         acc = acc + bias.to(gl.float32)[None, :]
     tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
     c_smem.store(acc.to(c_desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_smem)
+    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
+def _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
               num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib,
               CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr, CONSUMER_WARPS: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, STREAM_K: gl.constexpr):
+              STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, STREAM_K: gl.constexpr,
+              HALF_TAIL: gl.constexpr):
     """MMAs and epilogue of the program's local whole tiles CONSUMER, CONSUMER + NUM_CONSUMERS, ..., then (one
-    consumer only) its stream-K ranges.
+    consumer only) its half tiles or stream-K ranges.
 
     With two consumers their K loops take turns (turn barriers): a consumer starts its K loop only once the other
     has waited on every stage of the tile before, so no consumer ever waits on a ready barrier more than one phase
@@ -172,10 +188,24 @@ def _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, ws_
             else:
                 mbarrier.wait(turn.index(0), (j + 1) & 1, pred=j > 0)
         acc, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, 0, k_tiles, local * k_tiles, acc_layout,
-                               CONSUMER, NUM_CONSUMERS, BLOCK_M, BLOCK_N, STAGES, B_TRANS)
-        _store_tile(acc, c_desc, c_smem, bias_ptr, pid_m, pid_n, N, acc_layout, BLOCK_M, BLOCK_N, HAS_BIAS)
+                               CONSUMER, NUM_CONSUMERS, BLOCK_M, BLOCK_M, BLOCK_N, STAGES, B_TRANS)
+        _store_tile(acc, c_desc, c_smem, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, acc_layout, BLOCK_N,
+                    HAS_BIAS)
         local += NUM_CONSUMERS
         j += 1
+    if HALF_TAIL:
+        gl.static_assert(NUM_CONSUMERS == 1, "the half-tile tail runs with one consumer")
+        gl.static_assert(BLOCK_M // 2 == 16 * CONSUMER_WARPS, "a half tile is one wgmma row block per warp")
+        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                              instr_shape=[16, BLOCK_N, 16])
+        it = local * k_tiles
+        for u in range(gl.program_id(0), 2 * (num_pid_m * num_pid_n - num_dp_tiles), nprog):
+            pid_m, pid_n = _tile_of(num_dp_tiles + u // 2, num_pid_m, num_pid_n, GROUP_M)
+            acc, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, 0, k_tiles, it, half_layout,
+                                   CONSUMER, NUM_CONSUMERS, BLOCK_M // 2, BLOCK_M, BLOCK_N, STAGES, B_TRANS)
+            _store_tile(acc, c_half_desc, c_smem.slice(0, BLOCK_M // 2), bias_ptr,
+                        pid_m * BLOCK_M + (u % 2) * (BLOCK_M // 2), pid_n * BLOCK_N, N, half_layout, BLOCK_N,
+                        HAS_BIAS)
     if STREAM_K:
         gl.static_assert(NUM_CONSUMERS == 1, "the stream-K tail runs with one consumer")
         tile_elems: gl.constexpr = BLOCK_M * BLOCK_N
@@ -191,12 +221,12 @@ def _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, ws_
                 t, k0, k1 = _sk_segment(pos, pos_end, k_tiles)
                 pid_m, pid_n = _tile_of(num_dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
                 acc, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, k0, k1, it, acc_layout,
-                                       CONSUMER, NUM_CONSUMERS, BLOCK_M, BLOCK_N, STAGES, B_TRANS)
+                                       CONSUMER, NUM_CONSUMERS, BLOCK_M, BLOCK_M, BLOCK_N, STAGES, B_TRANS)
                 first_w = (t * k_tiles) // sk_iters
                 n_contrib = ((t + 1) * k_tiles - 1) // sk_iters - first_w + 1
                 if n_contrib == 1:
-                    _store_tile(acc, c_desc, c_smem, bias_ptr, pid_m, pid_n, N, acc_layout, BLOCK_M, BLOCK_N,
-                                HAS_BIAS)
+                    _store_tile(acc, c_desc, c_smem, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, acc_layout,
+                                BLOCK_N, HAS_BIAS)
                 else:
                     slot0 = (t * sk_max_contrib).to(gl.int64) * tile_elems
                     gl.store(ws_ptr + slot0 + (w - first_w) * tile_elems + offs, acc)
@@ -207,7 +237,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, ws_
                         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
                         for jc in range(n_contrib):
                             acc += gl.load(ws_ptr + slot0 + jc * tile_elems + offs, cache_modifier=".cg")
-                        _store_tile(acc, c_desc, c_smem, bias_ptr, pid_m, pid_n, N, acc_layout, BLOCK_M,
+                        _store_tile(acc, c_desc, c_smem, bias_ptr, pid_m * BLOCK_M, pid_n * BLOCK_N, N, acc_layout,
                                     BLOCK_N, HAS_BIAS)
                         gl.store(cnt_ptr + t, 0)  # every contributor has arrived: nobody reads it again this call
                 pos += k1 - k0
@@ -215,18 +245,20 @@ def _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, ws_
 
 
 @gluon.jit
-def gemm_ws_kernel(a_desc, b_desc, c_desc, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
+def gemm_ws_kernel(a_desc, a_half_desc, b_desc, c_desc, c_half_desc, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
                    num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                    STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, STREAM_K: gl.constexpr,
+                   HALF_TAIL: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                    PRODUCER_WARPS: gl.constexpr, CONSUMER_WARPS: gl.constexpr):
     """C = A @ B (+ bias); grid <= #SMs, num_warps = 4 (consumer 0; consumer 1 and the producer are workers).
 
     a_desc block [BLOCK_M, BLOCK_K]; b_desc block [BLOCK_N, BLOCK_K] (B_TRANS) or [BLOCK_K, BLOCK_N]; c_desc block
-    [BLOCK_M, BLOCK_N]. Ragged edges are TMA's (zero-filled loads, clipped stores). The schedule (whole tiles
-    [0, num_dp_tiles), then the stream-K tail) is gemm.plan_gemm's; ws / cnt: fp32 partial slots and zeroed
-    int32 arrival counters of the tail tiles (unused without STREAM_K).
+    [BLOCK_M, BLOCK_N]; a_half_desc / c_half_desc: the same with BLOCK_M / 2 rows (HALF_TAIL). Ragged edges are
+    TMA's (zero-filled loads, clipped stores). The schedule (whole tiles [0, num_dp_tiles), then the rest as
+    half tiles or the stream-K tail) is gemm.plan_gemm's; ws / cnt: fp32 partial slots and zeroed int32 arrival
+    counters of the stream-K tiles (unused without STREAM_K).
     """
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
@@ -243,22 +275,30 @@ def gemm_ws_kernel(a_desc, b_desc, c_desc, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
     # (the argument tuples stay literal: a tuple assigned to a name turns its constexprs into tensors)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
+            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr, cnt_ptr, M,
+                          N, K,
                           num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib, 0, 2, 4,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K)),
-            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K,
+                          HALF_TAIL)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr, cnt_ptr, M,
+                          N, K,
                           num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib, 1, 2, 4,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, num_dp_tiles, num_sk_tiles, sk_iters,
-                         sk_workers, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, STREAM_K)),
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K,
+                          HALF_TAIL)),
+            (_producer, (a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, num_dp_tiles,
+                         num_sk_tiles, sk_iters, sk_workers, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS,
+                         STREAM_K, HALF_TAIL)),
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smems, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
+            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr, cnt_ptr, M,
+                          N, K,
                           num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib, 0, 1, CONSUMER_WARPS,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, num_dp_tiles, num_sk_tiles, sk_iters,
-                         sk_workers, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, STREAM_K)),
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K,
+                          HALF_TAIL)),
+            (_producer, (a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, num_dp_tiles,
+                         num_sk_tiles, sk_iters, sk_workers, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS,
+                         STREAM_K, HALF_TAIL)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))

@@ -45,10 +45,11 @@ def unsupported(a: torch.Tensor, lay) -> Optional[str]:
 
 def launch(a, b, bias, c, cfg, lay, plan, ws, cnt, programs: int, **overrides) -> None:
     """C = a @ b (+ bias) with gemm_ws_kernel on `programs` programs (checked by unsupported() first), on the
-    schedule `plan` (gemm.plan_gemm; ws / cnt: the stream-K tail's partial slots and zeroed counters).
+    schedule `plan` (gemm.plan_gemm: whole tiles, then half tiles or the stream-K tail; ws / cnt: the stream-K
+    tail's partial slots and zeroed counters).
     overrides: kernel constexprs to replace (register budgets, partition sizes) when probing variants."""
-    if plan.sk_tiles and cfg.ws_consumers != 1:
-        raise ValueError(f"gemm_ws: config {cfg.name}: the stream-K tail runs with one consumer")
+    if (plan.sk_tiles or plan.half_tiles) and cfg.ws_consumers != 1:
+        raise ValueError(f"gemm_ws: config {cfg.name}: a tail schedule runs with one consumer")
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -67,10 +68,17 @@ def launch(a, b, bias, c, cfg, lay, plan, ws, cnt, programs: int, **overrides) -
     else:
         b_desc = desc(b, [K, N], lay.b_lead, [BK, BN])
     c_desc = desc(c, [M, N], c.stride(0), [BM, BN])
-    gemm_ws_kernel[(programs,)](a_desc, b_desc, c_desc, bias if bias is not None else c, ws, cnt, M, N, K,
+    if plan.half_tiles:
+        a_half_desc = desc(a, [M, K], lay.a_lead, [BM // 2, BK])
+        c_half_desc = desc(c, [M, N], c.stride(0), [BM // 2, BN])
+    else:
+        a_half_desc, c_half_desc = a_desc, c_desc
+    gemm_ws_kernel[(programs,)](a_desc, a_half_desc, b_desc, c_desc, c_half_desc, bias if bias is not None else c,
+                                ws, cnt, M, N, K,
                                 plan.dp_tiles, plan.sk_tiles, plan.sk_iters, plan.sk_workers, plan.sk_max_contrib,
                                 BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                                 B_TRANS=lay.b_trans, HAS_BIAS=bias is not None, STREAM_K=plan.sk_tiles > 0,
+                                HALF_TAIL=plan.half_tiles > 0,
                                 **{**dict(CONSUMER_REGS=232, PRODUCER_REGS=40, NUM_CONSUMERS=cfg.ws_consumers,
                                           PRODUCER_WARPS=1, CONSUMER_WARPS=cfg.num_warps), **overrides},
                                 num_warps=cfg.num_warps)

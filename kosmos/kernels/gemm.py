@@ -286,6 +286,10 @@ CONFIGS: dict[str, GemmConfig] = {
     # ws128_1c with the ragged last wave cut in 64-row half tiles (twice the busy SMs there, no partial sums)
     "ws128_1c_ht": GemmConfig(128, 128, 64, num_stages=5, num_warps=4, epilogue_subtile=False, flatten=False,
                               stream_k=False, half_tail=True, kernel="ws", ws_consumers=1),
+    "ws128_1c_ht6": GemmConfig(128, 128, 64, num_stages=6, num_warps=4, epilogue_subtile=False, flatten=False,
+                               stream_k=False, half_tail=True, kernel="ws", ws_consumers=1),
+    "ws128_1c_sk2_6": GemmConfig(128, 128, 64, num_stages=6, num_warps=4, epilogue_subtile=False, flatten=False,
+                                 stream_k=True, sk_max_split=2, kernel="ws", ws_consumers=1),
     "ws64_1c": GemmConfig(64, 128, 64, num_stages=6, num_warps=4, epilogue_subtile=False, flatten=False,
                           stream_k=False, kernel="ws", ws_consumers=1),
     "ws256_1c": GemmConfig(128, 256, 64, num_stages=3, num_warps=8, epilogue_subtile=False, flatten=False,

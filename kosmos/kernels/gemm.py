@@ -269,27 +269,22 @@ CONFIGS: dict[str, GemmConfig] = {
     "bn128_w4": GemmConfig(128, 128, 64, num_stages=4, num_warps=4, epilogue_subtile=False),
     "bn128_k128": GemmConfig(128, 128, 128, num_stages=3, num_warps=8),
     "bn128_nested": GemmConfig(128, 128, 64, num_stages=4, num_warps=8, epilogue_subtile=False, flatten=False),
-    # Warp-specialized (gemm_ws.py), whole tiles only. H200 sweep 2026-11-30 (ratio to cuBLAS over the grid,
+    # Warp-specialized (gemm_ws.py). H200 sweep 2026-11-30 (whole tiles only; ratio to cuBLAS over the grid,
     # median / min): ws256_1c 1.013 / 0.64 (best on every shape with full waves), ws128_1c 0.969 / 0.81 (best
     # where 128x256 tiles leave the last wave mostly empty), ws128 ping-pong 0.949 / 0.75, ws64_1c 0.82 on
-    # the QKV / gate+up shapes: plain_gemm_config picks between the first two.
+    # the QKV / gate+up shapes: plain_gemm_config picks between ws256_1c and ws128_1c_ht (below).
     "ws128": GemmConfig(128, 128, 64, num_stages=4, num_warps=4, epilogue_subtile=False, flatten=False,
                         stream_k=False, kernel="ws"),
     "ws128_1c": GemmConfig(128, 128, 64, num_stages=5, num_warps=4, epilogue_subtile=False, flatten=False,
                            stream_k=False, kernel="ws", ws_consumers=1),
-    # ws128_1c with the stream-K tail (one consumer only: gemm_ws's partial store spills with 128x256 tiles);
-    # _sk2 cuts each tail tile in at most two K ranges.
+    # ws128_1c with the stream-K tail (one consumer only: gemm_ws's partial store spills with 128x256 tiles):
+    # slower than the half-tile tail on every ragged shape of the H200 sweep (2026-11-30), kept as the tested
+    # alternative. ws128_1c_ht: the ragged last wave as 64-row half tiles, six stages (their short MMAs need
+    # more loads in flight: 0.94 vs 0.88 of cuBLAS with five on M=4096, N=1280, K=8192).
     "ws128_1c_sk": GemmConfig(128, 128, 64, num_stages=5, num_warps=4, epilogue_subtile=False, flatten=False,
                               stream_k=True, kernel="ws", ws_consumers=1),
-    "ws128_1c_sk2": GemmConfig(128, 128, 64, num_stages=5, num_warps=4, epilogue_subtile=False, flatten=False,
-                               stream_k=True, sk_max_split=2, kernel="ws", ws_consumers=1),
-    # ws128_1c with the ragged last wave cut in 64-row half tiles (twice the busy SMs there, no partial sums)
-    "ws128_1c_ht": GemmConfig(128, 128, 64, num_stages=5, num_warps=4, epilogue_subtile=False, flatten=False,
+    "ws128_1c_ht": GemmConfig(128, 128, 64, num_stages=6, num_warps=4, epilogue_subtile=False, flatten=False,
                               stream_k=False, half_tail=True, kernel="ws", ws_consumers=1),
-    "ws128_1c_ht6": GemmConfig(128, 128, 64, num_stages=6, num_warps=4, epilogue_subtile=False, flatten=False,
-                               stream_k=False, half_tail=True, kernel="ws", ws_consumers=1),
-    "ws128_1c_sk2_6": GemmConfig(128, 128, 64, num_stages=6, num_warps=4, epilogue_subtile=False, flatten=False,
-                                 stream_k=True, sk_max_split=2, kernel="ws", ws_consumers=1),
     "ws64_1c": GemmConfig(64, 128, 64, num_stages=6, num_warps=4, epilogue_subtile=False, flatten=False,
                           stream_k=False, kernel="ws", ws_consumers=1),
     "ws256_1c": GemmConfig(128, 256, 64, num_stages=3, num_warps=8, epilogue_subtile=False, flatten=False,

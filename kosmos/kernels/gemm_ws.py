@@ -260,6 +260,7 @@ def gemm_ws_kernel(a_desc, a_half_desc, b_desc, c_desc, c_half_desc, bias_ptr, w
     half tiles or the stream-K tail) is gemm.plan_gemm's; ws / cnt: fp32 partial slots and zeroed int32 arrival
     counters of the stream-K tiles (unused without STREAM_K).
     """
+    gl.static_assert(not (STREAM_K and HALF_TAIL), "one tail schedule per launch")
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -275,15 +276,13 @@ def gemm_ws_kernel(a_desc, a_half_desc, b_desc, c_desc, c_half_desc, bias_ptr, w
     # (the argument tuples stay literal: a tuple assigned to a name turns its constexprs into tensors)
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr, cnt_ptr, M,
-                          N, K,
-                          num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib, 0, 2, 4,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K,
+            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr,
+                          cnt_ptr, M, N, K, num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib,
+                          0, 2, 4, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K,
                           HALF_TAIL)),
-            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr, cnt_ptr, M,
-                          N, K,
-                          num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib, 1, 2, 4,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K,
+            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr,
+                          cnt_ptr, M, N, K, num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib,
+                          1, 2, 4, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K,
                           HALF_TAIL)),
             (_producer, (a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, num_dp_tiles,
                          num_sk_tiles, sk_iters, sk_workers, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS,
@@ -291,10 +290,9 @@ def gemm_ws_kernel(a_desc, a_half_desc, b_desc, c_desc, c_half_desc, bias_ptr, w
         ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr, cnt_ptr, M,
-                          N, K,
-                          num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib, 0, 1, CONSUMER_WARPS,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K,
+            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr,
+                          cnt_ptr, M, N, K, num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib,
+                          0, 1, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K,
                           HALF_TAIL)),
             (_producer, (a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, num_dp_tiles,
                          num_sk_tiles, sk_iters, sk_workers, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS,

@@ -4,6 +4,7 @@ Llama-3-70B and Qwen3-32B, M (tokens) in {4096, 8192, 16384, 32768}.
     PYTHONPATH=. python3 benchmarks/gemm.py                  # the table's config per shape
     PYTHONPATH=. python3 benchmarks/gemm.py --sweep          # candidate configs side by side (to choose the table)
     PYTHONPATH=. python3 benchmarks/gemm.py --timing eager   # Python-launched calls (launch cost included)
+    PYTHONPATH=. python3 benchmarks/gemm.py --shapes moe --ms 131072 --sweep   # the MoE expert GEMMs, dense
 
 Each shape: random inputs, correctness of every kernel against an fp32 (no TF32) reference first, then
 rounds of timings (default: device time from CUDA-graph replays, L2 flushed between calls; --timing eager:
@@ -44,6 +45,13 @@ def projection_shapes(tps=(8, 4)):
     return shapes
 
 
+def moe_expert_shapes():
+    """(label, N, K) of the expert GEMMs of the MoE issue's layers as dense GEMMs (M = tokens x top-k rows):
+    gate+up [H -> 2I] and down [I -> H] of Qwen3-30B-A3B, Qwen3-235B and DeepSeek-V3."""
+    layers = [("qwen3_30b", 2048, 768), ("qwen3_235b", 4096, 1536), ("deepseek_v3", 7168, 2048)]
+    return [s for name, h, i in layers for s in ((f"{name}.up", 2 * i, h), (f"{name}.down", h, i))]
+
+
 def bench(fn, args):
     if args.timing == "graph":
         return bench_graph(fn)
@@ -58,6 +66,9 @@ def main():
                         "a CONFIGS name "
                         "(stream-K tail when plan_gemm says so), NAME+sk (stream-K forced), NAME+nosk (never)")
     p.add_argument("--ms", default=",".join(map(str, MS)))
+    p.add_argument("--shapes", default="proj", choices=["proj", "moe"],
+                   help="proj: the TP-sharded projections (the GEMM core's target grid); moe: the MoE layers' expert "
+                        "GEMMs as dense GEMMs (pass --ms tokens x top-k, e.g. 131072)")
     p.add_argument("--only", default="", help="comma-separated substrings: shapes whose label has one of them")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--layout", default="weight", choices=["weight", "kn"],
@@ -90,7 +101,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     t_start = time.time()
     for M in map(int, args.ms.split(",")):
-        for label, N, K in projection_shapes():
+        for label, N, K in (projection_shapes() if args.shapes == "proj" else moe_expert_shapes()):
             if args.only and not any(part in label for part in args.only.split(",")):
                 continue
             a = torch.randn(M, K, device="cuda", dtype=dtype, generator=gen)

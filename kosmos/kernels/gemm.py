@@ -12,8 +12,7 @@ Pieces, in the order a kernel uses them:
 - ``gemm_persistent_kernel``: one program per SM (or fewer), whole tiles strided over programs, then the tail.
 - ``gemm(a, b, bias=None)``: host launcher: boundary checks, config from a fixed table (default_config /
   plain_gemm_config: on sm_90 with bf16 / fp16 the warp-specialized Gluon kernel of gemm_ws.py, else
-  select_config), schedule
-  (plan_gemm), host-side descriptors (make_descriptors).
+  select_config), schedule (plan_gemm), host-side descriptors (make_descriptors).
 
 Layouts (no copies): A is [M, K] row-major or a transposed view of a row-major [K, M];
 B is [K, N] row-major or, the usual case, a transposed view of a Linear weight [N, K] (``w.t()``).

@@ -38,12 +38,14 @@ def _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _sk_segment(it, it_end, k_tiles):
-    """The piece of a stream-K range starting at K block `it` of the stream: (tile within the tail, k0, k1)."""
+def _sk_segment(it, it_end, k_tiles, num_dp_tiles, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """The piece of a stream-K range starting at K block `it` of the stream: (tile within the tail, k0, k1, pid_m,
+    pid_n), for the producer and the consumer alike."""
     t = it // k_tiles
     k0 = it - t * k_tiles
     k1 = gl.minimum(k_tiles, k0 + (it_end - it))
-    return t, k0, k1
+    pid_m, pid_n = _tile_of(num_dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
+    return t, k0, k1, pid_m, pid_n
 
 
 @gluon.jit
@@ -98,8 +100,8 @@ def _producer(a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K
             pos = w * sk_iters
             pos_end = gl.minimum(pos + sk_iters, total)
             while pos < pos_end:
-                t, k0, k1 = _sk_segment(pos, pos_end, k_tiles)
-                pid_m, pid_n = _tile_of(num_dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
+                t, k0, k1, pid_m, pid_n = _sk_segment(pos, pos_end, k_tiles, num_dp_tiles, num_pid_m, num_pid_n,
+                                                      GROUP_M)
                 it = _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, pid_m * BLOCK_M, pid_n * BLOCK_N,
                                    k0, k1, it, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS)
                 pos += k1 - k0
@@ -218,8 +220,8 @@ def _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, 
             pos = w * sk_iters
             pos_end = gl.minimum(pos + sk_iters, total)
             while pos < pos_end:
-                t, k0, k1 = _sk_segment(pos, pos_end, k_tiles)
-                pid_m, pid_n = _tile_of(num_dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
+                t, k0, k1, pid_m, pid_n = _sk_segment(pos, pos_end, k_tiles, num_dp_tiles, num_pid_m, num_pid_n,
+                                                      GROUP_M)
                 acc, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, k0, k1, it, acc_layout,
                                        CONSUMER, NUM_CONSUMERS, BLOCK_M, BLOCK_M, BLOCK_N, STAGES, B_TRANS)
                 first_w = (t * k_tiles) // sk_iters

@@ -1,4 +1,5 @@
-"""Post-grad pass stage (forward and backward graphs): TP+SP collective + matmul fusion."""
+"""Post-grad pass stage (forward and backward graphs): TP+SP collective + matmul fusion; backward graphs: kosmos ops
+write donated saved tensors in place."""
 from __future__ import annotations
 
 import torch
@@ -17,7 +18,12 @@ def graph_kind(graph: torch.fx.Graph) -> str:
 
 
 def run(graph: torch.fx.Graph, options: KosmosOptions) -> None:
+    kind = graph_kind(graph)
     if options.tp_sp:
         from kosmos.passes import tp_sp
 
-        tp_sp.run(graph, graph_kind(graph), options)
+        tp_sp.run(graph, kind, options)
+    if kind == "backward":
+        from kosmos.passes import donated_inplace
+
+        donated_inplace.run(graph)

@@ -348,6 +348,5 @@ def register() -> None:
     dispatch.register_fused("moe_layer", why_not_moe_layer, run_moe_layer, _layer_note)
     dispatch.register_fused("moe_layer_backward", why_not_moe_layer_backward, run_moe_layer_backward,
                             _layer_backward_note)
-    dispatch.register_row_kernel("moe_scaled_act", moe_rows.scaled_act)
     dispatch.register_row_kernel("moe_swiglu_rows_backward", moe_rows.swiglu_rows_backward)
     dispatch.register_row_kernel("moe_fold", moe_rows.fold)

@@ -2,16 +2,18 @@
 pieces between its grouped matmuls, one pass over the rows each instead of eager's ten. Registered with
 kosmos.ops.dispatch as row kernels; the ops keep the torch math for other devices.
 
-    scaled_act(h, w, dtype)          -> act * w          [S, I] in dtype   (act = silu(gate) * up of h = [gate | up])
-    swiglu_rows_backward(h, d_au, w, in_place=False) -> (d_h [S, 2I] in h's dtype, d_w [S] fp32); in_place: d_h over h
+    swiglu_rows_backward(h, d_au, w, in_place=False, act_w=None) -> (d_h [S, 2I] in h's dtype, d_w [S] fp32); in_place:
+        d_h over h; act_w: act * w written there too (d_au allowed; act = silu(gate) * up of h = [gate | up], in d_au's dtype)
         d_au = grad_out rows @ down_proj[e] (unweighted): d_act = d_au * w, d_h = d SwiGLU, d_w = <d_au, act>
-    fold(rows, row, weights=None, out=None) -> [T, H]: sum over slots j (in order, fp32) of rows[row[t, j]] (* weights[t, j],
-        each product rounded to P = promote(rows, weights)); fp32 out, or P with weights
+    fold(rows, row, weights=None, out=None, add=None) -> [T, H]: sum over slots j (in order, fp32) of rows[row[t, j]]
+        (* weights[t, j], each product rounded to P = promote(rows, weights)), + add; fp32 out, or P with weights
 
 act is rounded as the ops round it (silu and the product in h's dtype, then `dtype`); the backward's arithmetic
 runs in fp32 and is rounded once at the end (eager rounds after every op: differences are at that dtype's
 rounding level)."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -38,22 +40,8 @@ def _row_block(w, S, BR: tl.constexpr):
 
 
 @triton.jit
-def _scaled_act_kernel(h, w, out, S, I, BR: tl.constexpr, BC: tl.constexpr):
-    rmask, r64, wr = _row_block(w, S, BR)
-    W: tl.constexpr = h.dtype.element_ty
-    D: tl.constexpr = out.dtype.element_ty
-    for c0 in range(0, I, BC):
-        cols = c0 + tl.arange(0, BC)
-        m = rmask[:, None] & (cols < I)[None, :]
-        gate = tl.load(h + r64[:, None] * (2 * I) + cols[None, :], mask=m, other=0.0)
-        up = tl.load(h + r64[:, None] * (2 * I) + I + cols[None, :], mask=m, other=0.0)
-        a = _act(gate, up, W).to(D).to(tl.float32)
-        tl.store(out + r64[:, None] * I + cols[None, :], (a * wr[:, None]).to(D), mask=m)
-
-
-@triton.jit
-def _swiglu_rows_backward_kernel(h, d_au, w, d_h, d_w, S, I, IN_PLACE: tl.constexpr, BR: tl.constexpr,
-                                 BC: tl.constexpr):
+def _swiglu_rows_backward_kernel(h, d_au, w, d_h, d_w, act_w, S, I, IN_PLACE: tl.constexpr, ACT_W: tl.constexpr,
+                                 BR: tl.constexpr, BC: tl.constexpr):
     rmask, r64, wr = _row_block(w, S, BR)
     W: tl.constexpr = h.dtype.element_ty
     D: tl.constexpr = d_au.dtype.element_ty
@@ -64,15 +52,18 @@ def _swiglu_rows_backward_kernel(h, d_au, w, d_h, d_w, S, I, IN_PLACE: tl.conste
         gate = tl.load(h + r64[:, None] * (2 * I) + cols[None, :], mask=m, other=0.0).to(tl.float32)
         up = tl.load(h + r64[:, None] * (2 * I) + I + cols[None, :], mask=m, other=0.0).to(tl.float32)
         da = tl.load(d_au + r64[:, None] * I + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        dot += tl.sum(da * _act(gate, up, W).to(D).to(tl.float32), axis=1)
+        a = _act(gate, up, W).to(D).to(tl.float32)
+        dot += tl.sum(da * a, axis=1)
         d_act = da * wr[:, None]
         sig = 1.0 / (1.0 + tl.exp(-gate))
         d_gate = d_act * up * (sig * (1.0 + gate * (1.0 - sig)))
         d_up = d_act * (gate * sig).to(W).to(tl.float32)
-        if IN_PLACE:  # d_h is h: every thread's loads of this block are done before any thread overwrites it
+        if IN_PLACE or ACT_W:  # d_h is h, act_w may be d_au: every load of this block precedes any store
             tl.debug_barrier()
         tl.store(d_h + r64[:, None] * (2 * I) + cols[None, :], d_gate.to(W), mask=m)
         tl.store(d_h + r64[:, None] * (2 * I) + I + cols[None, :], d_up.to(W), mask=m)
+        if ACT_W:  # kosmos.ops.moe._scaled_act's value
+            tl.store(act_w + r64[:, None] * I + cols[None, :], (a * wr[:, None]).to(D), mask=m)
     tl.store(d_w + r64, dot, mask=rmask)
 
 
@@ -83,32 +74,28 @@ def _check(h: torch.Tensor, w: torch.Tensor, *more: torch.Tensor) -> None:
         raise ValueError(f"kosmos moe_rows: row counts differ: h {tuple(h.shape)}, w {tuple(w.shape)}")
 
 
-def scaled_act(h: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """act * w [S, I] in dtype from h [S, 2I] and w [S]."""
-    _check(h, w)
-    S, I = h.shape[0], h.shape[1] // 2
-    out = torch.empty(S, I, dtype=dtype, device=h.device)
-    if S:
-        _scaled_act_kernel[(triton.cdiv(S, BR),)](h, w, out, S, I, BR=BR, BC=BC, num_warps=4)
-    return out
-
-
-def swiglu_rows_backward(h: torch.Tensor, d_au: torch.Tensor, w: torch.Tensor, in_place: bool = False):
+def swiglu_rows_backward(h: torch.Tensor, d_au: torch.Tensor, w: torch.Tensor, in_place: bool = False,
+                         act_w: Optional[torch.Tensor] = None):
     """(d_h [S, 2I] in h's dtype, d_w [S] fp32) from h [S, 2I], d_au [S, I] and w [S]; with in_place, d_h is
-    written over h (and returned)."""
-    _check(h, w, d_au)
+    written over h (and returned). act_w given ([S, I] in d_au's dtype, d_au itself allowed): scaled_act(h, w)
+    (act = silu(gate) * up, rounded as the ops round it) is written there too, from the same loads (for the d_down_proj that follows, once h holds d_h)."""
+    _check(h, w, d_au, *([act_w] if act_w is not None else []))
     S, I = h.shape[0], h.shape[1] // 2
+    if act_w is not None and (act_w.shape != d_au.shape or act_w.dtype != d_au.dtype):
+        raise ValueError(f"kosmos moe_rows: act_w {tuple(act_w.shape)} {act_w.dtype} is not d_au's "
+                         f"{tuple(d_au.shape)} {d_au.dtype}")
     d_h = h if in_place else torch.empty_like(h)
     d_w = torch.empty(S, dtype=torch.float32, device=h.device)
     if S:
-        _swiglu_rows_backward_kernel[(triton.cdiv(S, BR),)](h, d_au, w, d_h, d_w, S, I, IN_PLACE=in_place, BR=BR,
+        _swiglu_rows_backward_kernel[(triton.cdiv(S, BR),)](h, d_au, w, d_h, d_w, d_au if act_w is None else act_w,
+                                                            S, I, IN_PLACE=in_place, ACT_W=act_w is not None, BR=BR,
                                                             BC=BC, num_warps=4)
     return d_h, d_w
 
 
 @triton.jit
-def _fold_kernel(rows, row, w, out, T, H, TOP_K: tl.constexpr, HAS_W: tl.constexpr, ROUND_P: tl.constexpr,
-                 BT: tl.constexpr, BH: tl.constexpr):
+def _fold_kernel(rows, row, w, add, out, T, H, TOP_K: tl.constexpr, HAS_W: tl.constexpr, ROUND_P: tl.constexpr,
+                 HAS_ADD: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
     ts = tl.program_id(0) * BT + tl.arange(0, BT)
     hs = tl.program_id(1) * BH + tl.arange(0, BH)
     tmask = ts < T
@@ -123,17 +110,23 @@ def _fold_kernel(rows, row, w, out, T, H, TOP_K: tl.constexpr, HAS_W: tl.constex
             if ROUND_P:
                 v = v.to(P).to(tl.float32)
         acc += v
-    tl.store(out + ts.to(tl.int64)[:, None] * H + hs[None, :], acc.to(P), mask=m)
+    at = ts.to(tl.int64)[:, None] * H + hs[None, :]
+    if HAS_ADD:
+        acc += tl.load(add + at, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + at, acc.to(P), mask=m)
 
 
-def fold(rows: torch.Tensor, row: torch.Tensor, weights=None, out=None) -> torch.Tensor:
-    """[T, H] from rows [S, H] and row [T, k] (indices into rows), optionally weighted by weights [T, k]; written
-    into `out` if given (contiguous, not overlapping rows)."""
+def fold(rows: torch.Tensor, row: torch.Tensor, weights=None, out=None, add=None) -> torch.Tensor:
+    """[T, H] from rows [S, H] and row [T, k] (indices into rows), optionally weighted by weights [T, k], plus
+    add [T, H] (contiguous, any float dtype; added in fp32 to the sum) if given; written into `out` if given
+    (contiguous, not overlapping rows or add)."""
     T, k = row.shape
     if not (rows.is_cuda and rows.is_contiguous() and row.is_contiguous()):
         raise ValueError("kosmos moe_rows.fold: contiguous CUDA tensors expected")
     if weights is not None and (weights.shape != row.shape or not weights.is_contiguous()):
         raise ValueError(f"kosmos moe_rows.fold: weights {tuple(weights.shape)} vs row {tuple(row.shape)}")
+    if add is not None and (add.shape != (T, rows.shape[1]) or not add.is_contiguous()):
+        raise ValueError(f"kosmos moe_rows.fold: add {tuple(add.shape)} is not a contiguous [{T}, {rows.shape[1]}]")
     P = torch.float32 if weights is None else torch.promote_types(rows.dtype, weights.dtype)
     if out is None:
         out = torch.empty(T, rows.shape[1], dtype=P, device=rows.device)
@@ -142,6 +135,7 @@ def fold(rows: torch.Tensor, row: torch.Tensor, weights=None, out=None) -> torch
                          f"[{T}, {rows.shape[1]}] {P}")
     if T:
         grid = (triton.cdiv(T, 32), triton.cdiv(rows.shape[1], 256))
-        _fold_kernel[grid](rows, row, weights if weights is not None else rows, out, T, rows.shape[1], TOP_K=k,
-                           HAS_W=weights is not None, ROUND_P=P != torch.float32, BT=32, BH=256, num_warps=4)
+        _fold_kernel[grid](rows, row, weights if weights is not None else rows, add if add is not None else rows, out,
+                           T, rows.shape[1], TOP_K=k, HAS_W=weights is not None, ROUND_P=P != torch.float32,
+                           HAS_ADD=add is not None, BT=32, BH=256, num_warps=4)
     return out

@@ -259,6 +259,15 @@ def route_backward(d_weights, d_logits_out, routed, router_weight, router_bias, 
     weights output) and d_logits_out [T, E] (of its logits output, or None) -> (d_hidden fp32, d_router_weight,
     d_router_bias or None). The routing choices (top-k ids, score_correction_bias) get no gradient. d_hidden (fp32
     [T, H]) given: the router's part is added into it in place (the same sum, without an fp32 temporary)."""
+    d_logits = _router_d_logits(d_weights, d_logits_out, routed, scoring, routed_scaling_factor)
+    st = routed[3]
+    part = d_logits @ st["router_weight"]
+    d_hidden = part.float() if d_hidden is None else d_hidden.add_(part)
+    return (d_hidden, *_router_param_grads(d_logits, st["hidden"], router_weight, router_bias))
+
+
+def _router_d_logits(d_weights, d_logits_out, routed, scoring, routed_scaling_factor):
+    """The router's logits gradient [T, E] in the logits dtype (route_backward's first step)."""
     logits, ids, _, st = routed
     scores = st["scores"]
     d = d_weights.to(scores.dtype)
@@ -274,12 +283,14 @@ def route_backward(d_weights, d_logits_out, routed, router_weight, router_bias, 
     d_logits = d_logits.float()
     if d_logits_out is not None:
         d_logits = d_logits + d_logits_out.float()
-    d_logits = d_logits.to(logits.dtype)
-    h, w = st["hidden"], st["router_weight"]
-    d_hidden = (d_logits @ w).float() if d_hidden is None else d_hidden.add_(d_logits @ w)
-    d_router_weight = (d_logits.transpose(0, 1) @ h).to(router_weight.dtype)
+    return d_logits.to(logits.dtype)
+
+
+def _router_param_grads(d_logits, hidden, router_weight, router_bias):
+    """(d_router_weight, d_router_bias or None) from the logits gradient and the router's input (cast as it ran)."""
+    d_router_weight = (d_logits.transpose(0, 1) @ hidden).to(router_weight.dtype)
     d_router_bias = d_logits.float().sum(0).to(router_bias.dtype) if router_bias is not None else None
-    return d_hidden, d_router_weight, d_router_bias
+    return d_router_weight, d_router_bias
 
 
 # ----------------------------------------------------------------------------------- grouped matmuls
@@ -450,69 +461,84 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 14) -> torch.Ten
 
 
 def _scaled_act(h, w, dtype):
-    """act * w [S, I] in dtype (act of h = [gate | up] as `_swiglu`, w [S] the rows' routing weights)."""
-    kernel = dispatch.row_kernel("moe_scaled_act", h.device)
-    if kernel is not None:
-        return kernel(h, w, dtype)
+    """act * w [S, I] in dtype (act of h = [gate | up] as `_swiglu`, w [S] the rows' routing weights); on CUDA the
+    row kernel of `_swiglu_rows_backward_` computes it."""
     act = _swiglu(h, dtype)[3]
     return (act.to(torch.promote_types(dtype, w.dtype)) * w.unsqueeze(-1)).to(dtype)
 
 
 def _swiglu_rows_backward_(h, d_au, w):
-    """(d_h [S, 2I] of h's dtype, written over h, d_w [S] fp32) for act = silu(gate) * up of h: d_au [S, I] is
-    grad_out rows @ down_proj[e] without the routing weights w [S], so d_act = d_au * w and d_w = <d_au, act>."""
+    """(d_h [S, 2I] of h's dtype, written over h, d_w [S] fp32, act * w [S, I] written over d_au) for
+    act = silu(gate) * up of h: d_au [S, I] is grad_out rows @ down_proj[e] without the routing weights w [S], so
+    d_act = d_au * w and d_w = <d_au, act>; act * w is `_scaled_act`'s (d_down_proj's operand)."""
     kernel = dispatch.row_kernel("moe_swiglu_rows_backward", h.device)
     if kernel is not None:
-        return kernel(h, d_au, w, in_place=True)
+        d_h, d_w = kernel(h, d_au, w, in_place=True, act_w=d_au)
+        return d_h, d_w, d_au
+    act_w = _scaled_act(h, w, d_au.dtype)
     gate, up, silu, act = _swiglu(h, d_au.dtype)
     d_act = (d_au * w.unsqueeze(-1)).to(silu.dtype)
     d_w = _rowdot(d_au, act)
-    return h.copy_(_swiglu_backward(gate, up, silu, d_act)), d_w
+    return h.copy_(_swiglu_backward(gate, up, silu, d_act)), d_w, d_au.copy_(act_w)
 
 
-def _experts_backward_saved_(grad_out, hidden, rows, top_k, w_rows, h, gate_up_proj, down_proj):
+def _experts_backward_saved_(grad_out, hidden, rows, w_rows, h, gate_up_proj, down_proj):
     """The experts' backward with the forward's up rows h = [gate | up] saved: no up projection and no y
     recomputed; h is overwritten (with d_h). w_rows [S]: each row's routing weight. d_down_proj = sum g^T (act * w)
     with g the rows' grad_out; the weight's gradient <g, y> is <g @ down_e, act>, so one grouped matmul gives it
-    and d_act. Peak memory: temporaries are dropped after their last use, d_h takes h's storage, and d_hidden
-    (fp32) takes it once d_x is made from d_h, so the weight grads are computed beside d_h and one [S, H] buffer
-    at a time and no more. -> (d_hidden fp32 [T, H], possibly in h's storage, d_weight of each row fp32 [S],
-    d_gate_up_proj, d_down_proj)."""
+    and d_act, and one pass over the rows gives d_h, the weights' gradients and act * w (over g @ down_e). Peak
+    memory: temporaries are dropped after their last use and d_h takes h's storage, so the weight grads are
+    computed beside d_h and one [S, H] buffer at a time and no more. -> (d_x [S, H] of the rows, unfolded, in
+    gate_up_proj's dtype, d_weight of each row fp32 [S], d_gate_up_proj, d_down_proj); h's storage is dead after
+    (`_fold_saved` puts d_hidden there)."""
     g = rows.gather(grad_out.to(down_proj.dtype))
-    d_down = _grouped_wgrad(g, _scaled_act(h, w_rows, down_proj.dtype), rows.groups, down_proj)
     d_au = _grouped_mm(g, down_proj, rows.groups)
-    del g
-    d_h, d_w_rows = _swiglu_rows_backward_(h, d_au, w_rows)
+    d_h, d_w_rows, act_w = _swiglu_rows_backward_(h, d_au, w_rows)
     del d_au
+    d_down = _grouped_wgrad(g, act_w, rows.groups, down_proj)
+    del g, act_w
     x = rows.gather(hidden).to(gate_up_proj.dtype)
     d_gate_up = _grouped_wgrad(d_h, x, rows.groups, gate_up_proj)
     del x
-    d_x = _grouped_mm(d_h, gate_up_proj, rows.groups)
-    del d_h  # dead: its storage (h's) holds d_hidden next
-    out = _storage_as(h, (grad_out.shape[0], grad_out.shape[1]), torch.float32)
-    return _fold(d_x, rows.row, grad_out.shape[0], top_k, torch.float32, out=out), d_w_rows, d_gate_up, d_down
+    return _grouped_mm(d_h, gate_up_proj, rows.groups), d_w_rows, d_gate_up, d_down
 
 
-def _fold(rows, row, num_tokens, top_k, dtype=None, out=None):
+def _fold_saved(d_x, row, num_tokens, top_k, h, d_logits=None, router_weight=None):
+    """d_hidden fp32 [T, H]: the rows d_x folded (`_fold`), plus the router's part d_logits @ router_weight (in the
+    logits dtype, added in fp32 to each token's sum: what route_backward's in-place add computes) if d_logits is
+    given. Both go into the storage of h (the saved up rows, dead once d_x is made) where they fit."""
+    shape = (num_tokens, d_x.shape[1])
+    out = _storage_as(h, shape, torch.float32)
+    part = None
+    if d_logits is not None:
+        scratch = _storage_as(h, shape, d_logits.dtype, offset=math.prod(shape) * 4) if out is not None else None
+        part = torch.mm(d_logits, router_weight, out=scratch) if scratch is not None else d_logits @ router_weight
+    return _fold(d_x, row, num_tokens, top_k, torch.float32, out=out, add=part)
+
+
+def _fold(rows, row, num_tokens, top_k, dtype=None, out=None, add=None):
     """[T, H]: the pair rows rows[row[t * k + j]] summed over the slots j in order (in `dtype` if given), one
-    slot at a time (no [T, k, H] temporary); written into `out` (contiguous, of that dtype) if given."""
+    slot at a time (no [T, k, H] temporary), then + add [T, H] if given; written into `out` (contiguous, of that
+    dtype) if given."""
     row = row.view(num_tokens, top_k)
     kernel = dispatch.row_kernel("moe_fold", rows.device)
     if kernel is not None and dtype == torch.float32 and rows.is_contiguous():
-        return kernel(rows, row, out=out)
+        return kernel(rows, row, out=out, add=add)
     acc = rows[row[:, 0]].to(dtype or rows.dtype)
     for j in range(1, top_k):
         acc += rows[row[:, j]]
+    if add is not None:
+        acc += add
     return acc if out is None else out.copy_(acc)
 
 
-def _storage_as(t: torch.Tensor, shape, dtype) -> Optional[torch.Tensor]:
-    """A contiguous tensor of `shape` and `dtype` over the start of t's storage (t contiguous), or None if t is too
-    small: a scratch buffer in memory that t no longer needs."""
+def _storage_as(t: torch.Tensor, shape, dtype, offset: int = 0) -> Optional[torch.Tensor]:
+    """A contiguous tensor of `shape` and `dtype` over t's storage from byte `offset` of t on (t contiguous), or None
+    if t is too small: a scratch buffer in memory that t no longer needs."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if not t.is_contiguous() or t.numel() * t.element_size() < nbytes or t.data_ptr() % 16:
+    if not t.is_contiguous() or t.numel() * t.element_size() < offset + nbytes or (t.data_ptr() + offset) % 16:
         return None
-    return t.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
+    return t.view(-1).view(torch.uint8)[offset : offset + nbytes].view(dtype).view(shape)
 
 
 def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu",
@@ -544,6 +570,17 @@ def _fold_weighted(y, row, topk_weights):
     return acc.to(torch.promote_types(y.dtype, topk_weights.dtype))
 
 
+def experts_backward_saved_rows(grad_out, hidden, rows, topk_weights, gate_up_proj, down_proj, saved_up):
+    """`experts_backward` with saved up rows, d_hidden left unfolded: (d_x [S, H] rows, d_topk_weights,
+    d_gate_up_proj, d_down_proj); saved_up's storage is dead after (`_fold_saved` folds into it)."""
+    num_tokens, top_k = topk_weights.shape
+    w_rows = rows.gather(topk_weights.reshape(-1), rows.pair)
+    d_x, d_w_rows, d_gate_up, d_down = _experts_backward_saved_(grad_out, hidden, rows, w_rows, saved_up,
+                                                                gate_up_proj, down_proj)
+    d_weights = d_w_rows[rows.row].view(num_tokens, top_k).to(topk_weights.dtype)
+    return d_x, d_weights, d_gate_up, d_down
+
+
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu",
                      saved_up: Optional[torch.Tensor] = None):
     """Gradients of `experts` -> (d_hidden fp32 [T, H], d_topk_weights, d_gate_up_proj, d_down_proj).
@@ -552,12 +589,11 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, dow
     gradients."""
     num_tokens, top_k = topk_ids.shape
     rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
-    w_rows = rows.gather(topk_weights.reshape(-1), rows.pair)
     if saved_up is not None:
-        d_hidden, d_w_rows, d_gate_up, d_down = _experts_backward_saved_(grad_out, hidden, rows, top_k, w_rows,
-                                                                         saved_up, gate_up_proj, down_proj)
-        d_weights = d_w_rows[rows.row].view(num_tokens, top_k).to(topk_weights.dtype)
-        return d_hidden, d_weights, d_gate_up, d_down
+        d_x, d_weights, d_gate_up, d_down = experts_backward_saved_rows(grad_out, hidden, rows, topk_weights,
+                                                                        gate_up_proj, down_proj, saved_up)
+        return _fold_saved(d_x, rows.row, num_tokens, top_k, saved_up), d_weights, d_gate_up, d_down
+    w_rows = rows.gather(topk_weights.reshape(-1), rows.pair)
     x = rows.gather(hidden).to(gate_up_proj.dtype)
     product_dtype = torch.promote_types(down_proj.dtype, topk_weights.dtype)
     g = grad_out.to(product_dtype)  # d(weighted pair): the fold sums the pairs of a token
@@ -832,19 +868,30 @@ def moe_layer_backward(
     if recast:
         route_state["hidden"] = None
     _check_ep_group("moe_layer_backward", ep_group_name, ep_world_size)
-    if with_saved_up:
-        d_hidden, d_weights, d_gate_up, d_down = experts_backward(grad_out, hidden, ids, weights, gate_up_proj,
-                                                                  down_proj, activation, saved_up)
-    elif ep_mode == "all_reduce":
-        d_hidden, d_weights, d_gate_up, d_down = _replicated_backward(grad_out, hidden, ids, weights, gate_up_proj,
-                                                                      down_proj, activation, ep_group_name)
+    if with_saved_up:  # the router's d_hidden goes into the experts' fold (no fp32 [T, H] add pass)
+        rows = _SortedPairs(ids, gate_up_proj.shape[0])
+        d_x, d_weights, d_gate_up, d_down = experts_backward_saved_rows(grad_out, hidden, rows, weights,
+                                                                        gate_up_proj, down_proj, saved_up)
+        d_logits = _router_d_logits(d_weights, grad_router_logits, routed, scoring, routed_scaling_factor)
+        d_hidden = _fold_saved(d_x, rows.row, hidden.shape[0], top_k, saved_up, d_logits,
+                               route_state["router_weight"])
+        del d_x
+        if recast:
+            route_state["hidden"] = hidden.to(router_dtype)
+        d_router_weight, d_router_bias = _router_param_grads(d_logits, route_state["hidden"], router_weight,
+                                                             router_bias)
     else:
-        d_hidden, d_weights, d_gate_up, d_down = _experts_backward_any(
-            grad_out, hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
-    if recast:
-        route_state["hidden"] = hidden.to(router_dtype)
-    d_hidden, d_router_weight, d_router_bias = route_backward(
-        d_weights, grad_router_logits, routed, router_weight, router_bias, scoring, routed_scaling_factor, d_hidden)
+        if ep_mode == "all_reduce":
+            d_hidden, d_weights, d_gate_up, d_down = _replicated_backward(
+                grad_out, hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name)
+        else:
+            d_hidden, d_weights, d_gate_up, d_down = _experts_backward_any(
+                grad_out, hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
+        if recast:
+            route_state["hidden"] = hidden.to(router_dtype)
+        d_hidden, d_router_weight, d_router_bias = route_backward(
+            d_weights, grad_router_logits, routed, router_weight, router_bias, scoring, routed_scaling_factor,
+            d_hidden)
     # a copy even in hidden's dtype: d_hidden may live in saved_up's storage, which an output must not alias
     grads = [d_hidden.to(hidden.dtype, copy=True), d_router_weight, d_gate_up, d_down]
     return _backward_outputs(grads + ([d_router_bias] if router_bias is not None else []), router_weight)

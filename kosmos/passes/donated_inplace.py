@@ -50,13 +50,18 @@ def _direct_kwargs(hop_kwargs: dict, op) -> Optional[dict]:
 
 def _schema_args(op, kwargs: dict) -> tuple[tuple, dict]:
     """(positional args, keyword-only args) in the op's schema order (Inductor's lowering normalises positions)."""
-    args, kw = [], {}
+    args, kw, defaults = [], {}, []
     for a in op._schema.arguments:
         value = kwargs[a.name] if a.name in kwargs else a.default_value
         if a.kwarg_only:
             kw[a.name] = value
         else:
             args.append(value)
+            defaults.append(a.has_default_value() and (value is a.default_value or (
+                isinstance(value, (bool, int, float, str)) and value == a.default_value)))
+    while defaults and defaults[-1]:  # trailing defaults stay implicit, as Inductor's own decomposition leaves them
+        defaults.pop()
+        args.pop()
     return tuple(args), kw
 
 

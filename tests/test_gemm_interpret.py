@@ -76,19 +76,6 @@ INTERPRETED = textwrap.dedent("""
             for programs in (1, 3):
                 assert torch.equal(gemm(a, b, bias, config=cfg, stream_k=True, num_programs=programs), out)
             checked += 1
-    # tf32_split: each way of laying out the TF32 parts (the interpreter's fp32 dot is exact: the plumbing only)
-    from kosmos.kernels import tf32_split
-    for M, N, K, a_exact, b_exact in ((64, 48, 16, False, True), (16, 48, 200, False, True), (40, 24, 32, False, False),
-                                      (16, 8, 120, True, False), (24, 40, 16, True, False), (24, 40, 16, True, True)):
-        a, b = torch.randn(M, K), torch.randn(K, N)
-        if a_exact:
-            a = a.bfloat16().float()
-        if b_exact:
-            b = b.bfloat16().float()
-        out = torch.full((M, N), float("nan"))
-        assert tf32_split.matmul(a, b, a_exact, b_exact, out=out) is out
-        assert rel_err(out, a.double() @ b.double()) <= 1e-6, (M, N, K, a_exact, b_exact)
-        checked += 1
     print("INTERPRETED_OK", checked)
 """)
 
@@ -99,22 +86,7 @@ def test_kernel_under_interpreter():
     proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "INTERPRETED_OK 108" in proc.stdout, proc.stdout[-2000:]
-
-
-def test_tf32_split_parts_are_tf32_and_sum_to_fp32():
-    """kosmos.kernels.tf32_split: hi and lo carry 10 mantissa bits each (TF32 multiplies them exactly) and hi + lo
-    is x to about 2^-22 of |x| (fp32's rounding level); rounding is to nearest."""
-    from kosmos.kernels.tf32_split import round_tf32, split_tf32
-
-    x = torch.randn(4096) * torch.logspace(-20, 20, 4096)
-    hi, lo = split_tf32(x)
-    for part in (hi, lo):
-        assert (part.view(torch.int32) & 0x1FFF).eq(0).all()
-    assert ((hi.double() + lo.double() - x.double()).abs() <= x.double().abs() * 2.0**-21).all()
-    assert ((hi - x).abs() <= x.abs() * 2.0**-11).all()  # nearest: half a TF32 ulp at most
-    assert torch.equal(round_tf32(torch.tensor([1.0 + 2**-11, -(1.0 + 2**-11), 3.0])),
-                       torch.tensor([1.0 + 2**-10, -(1.0 + 2**-10), 3.0]))  # a tie goes away from zero
+    assert "INTERPRETED_OK 102" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_input_precision_follows_allow_tf32():

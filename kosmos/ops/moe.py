@@ -206,7 +206,6 @@ def _route_forward(hidden, router_weight, router_bias, score_correction_bias, to
     instead of the top-k selection (the weights are the scores gathered there, normalised and scaled as usual).
     logits given: the router GEMM's output (then the state keeps hidden uncast: route_backward wants it cast to
     router_dtype, which the caller does when it needs it)."""
-    dtypes = dict(hidden_dtype=hidden.dtype, weight_dtype=router_weight.dtype)  # as they came (before any cast)
     if router_dtype is not None:
         router_weight = router_weight.to(router_dtype)
         router_bias = router_bias.to(router_dtype) if router_bias is not None else None
@@ -243,7 +242,7 @@ def _route_forward(hidden, router_weight, router_bias, score_correction_bias, to
     scaled = scoring == "sigmoid" or routed_scaling_factor != 1.0
     weights = normed * routed_scaling_factor if scaled else normed
     state = dict(hidden=hidden, router_weight=router_weight, scores=scores, normed=normed, denominator=denominator,
-                 scaled=scaled, **dtypes)
+                 scaled=scaled)
     return logits, ids, weights.to(logits.dtype), state
 
 
@@ -255,21 +254,14 @@ def route(hidden, router_weight, router_bias, score_correction_bias, top_k: int,
     return logits, ids, weights
 
 
-_TF32_EXACT = (torch.bfloat16, torch.float16)  # dtypes whose values, cast to fp32, are exact in TF32
-
-
-def _router_matmul(a: torch.Tensor, b: torch.Tensor, a_from: torch.dtype, b_from: torch.dtype,
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """a @ b for the router's backward (into out if given); a_from / b_from: the dtypes the operands were cast
-    from. fp32 operands on CUDA without allow_tf32 run on the GEMM core as TF32 products of their splits
-    (kosmos.kernels.tf32_split: fp32-accurate, as the fused forward's fp32 router; cuBLAS's exact fp32 took ~1.5 ms
-    per DeepSeek-V3 router matmul on the H200); otherwise, and where the GEMM core refuses them, torch. An operand
-    cast from fp32 itself on a long K (the hidden states of an fp32 model) stays in torch."""
+def _router_matmul(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a @ b for the router's backward (into out if given). fp32 operands on CUDA without allow_tf32 run on the
+    GEMM core as three TF32 products, fp32-accurate as the fused forward's fp32 router (exact FMA fp32 took
+    ~1.5 ms per DeepSeek-V3 router matmul on the H200); otherwise, or where the GEMM core refuses them, torch."""
     kernel = None
-    if a.dtype == torch.float32 and b.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32 \
-            and (a_from in _TF32_EXACT or b_from in _TF32_EXACT or a.shape[1] <= 4096):
-        kernel = dispatch.row_kernel("fp32_matmul_split", a.device)
-    res = kernel(a, b, a_from in _TF32_EXACT, b_from in _TF32_EXACT, out) if kernel is not None else None
+    if a.dtype == torch.float32 and b.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        kernel = dispatch.row_kernel("fp32_matmul_tf32x3", a.device)
+    res = kernel(a, b, out) if kernel is not None else None
     if res is not None:
         return res
     return torch.mm(a, b, out=out) if out is not None else a @ b
@@ -283,9 +275,9 @@ def route_backward(d_weights, d_logits_out, routed, router_weight, router_bias, 
     [T, H]) given: the router's part is added into it in place (the same sum, without an fp32 temporary)."""
     d_logits = _router_d_logits(d_weights, d_logits_out, routed, scoring, routed_scaling_factor)
     st = routed[3]
-    part = _router_matmul(d_logits, st["router_weight"], d_logits.dtype, st["weight_dtype"])
+    part = _router_matmul(d_logits, st["router_weight"])
     d_hidden = part.float() if d_hidden is None else d_hidden.add_(part)
-    return (d_hidden, *_router_param_grads(d_logits, st["hidden"], st["hidden_dtype"], router_weight, router_bias))
+    return (d_hidden, *_router_param_grads(d_logits, st["hidden"], router_weight, router_bias))
 
 
 def _router_d_logits(d_weights, d_logits_out, routed, scoring, routed_scaling_factor):
@@ -308,11 +300,9 @@ def _router_d_logits(d_weights, d_logits_out, routed, scoring, routed_scaling_fa
     return d_logits.to(logits.dtype)
 
 
-def _router_param_grads(d_logits, hidden, hidden_dtype, router_weight, router_bias):
-    """(d_router_weight, d_router_bias or None) from the logits gradient and the router's input (cast as it ran
-    from hidden_dtype)."""
-    d_router_weight = _router_matmul(d_logits.transpose(0, 1), hidden, d_logits.dtype, hidden_dtype)
-    d_router_weight = d_router_weight.to(router_weight.dtype)
+def _router_param_grads(d_logits, hidden, router_weight, router_bias):
+    """(d_router_weight, d_router_bias or None) from the logits gradient and the router's input (cast as it ran)."""
+    d_router_weight = _router_matmul(d_logits.transpose(0, 1), hidden).to(router_weight.dtype)
     d_router_bias = d_logits.float().sum(0).to(router_bias.dtype) if router_bias is not None else None
     return d_router_weight, d_router_bias
 
@@ -527,18 +517,16 @@ def _experts_backward_saved_(grad_out, hidden, rows, w_rows, h, gate_up_proj, do
     return _grouped_mm(d_h, gate_up_proj, rows.groups), d_w_rows, d_gate_up, d_down
 
 
-def _fold_saved(d_x, row, num_tokens, top_k, h, d_logits=None, route_state=None):
+def _fold_saved(d_x, row, num_tokens, top_k, h, d_logits=None, router_weight=None):
     """d_hidden fp32 [T, H]: the rows d_x folded (`_fold`), plus the router's part d_logits @ router_weight (in the
     logits dtype, added in fp32 to each token's sum: what route_backward's in-place add computes) if d_logits is
-    given (router_weight as it ran, from route_state). Both go into the storage of h (the saved up rows, dead once
-    d_x is made) where they fit."""
+    given. Both go into the storage of h (the saved up rows, dead once d_x is made) where they fit."""
     shape = (num_tokens, d_x.shape[1])
     out = _storage_as(h, shape, torch.float32)
     part = None
     if d_logits is not None:
         scratch = _storage_as(h, shape, d_logits.dtype, offset=math.prod(shape) * 4) if out is not None else None
-        part = _router_matmul(d_logits, route_state["router_weight"], d_logits.dtype, route_state["weight_dtype"],
-                              out=scratch)
+        part = _router_matmul(d_logits, router_weight, out=scratch)
     return _fold(d_x, row, num_tokens, top_k, torch.float32, out=out, add=part)
 
 
@@ -899,12 +887,13 @@ def moe_layer_backward(
         d_x, d_weights, d_gate_up, d_down = experts_backward_saved_rows(grad_out, hidden, rows, weights,
                                                                         gate_up_proj, down_proj, saved_up)
         d_logits = _router_d_logits(d_weights, grad_router_logits, routed, scoring, routed_scaling_factor)
-        d_hidden = _fold_saved(d_x, rows.row, hidden.shape[0], top_k, saved_up, d_logits, route_state)
+        d_hidden = _fold_saved(d_x, rows.row, hidden.shape[0], top_k, saved_up, d_logits,
+                               route_state["router_weight"])
         del d_x
         if recast:
             route_state["hidden"] = hidden.to(router_dtype)
-        d_router_weight, d_router_bias = _router_param_grads(d_logits, route_state["hidden"], hidden.dtype,
-                                                             router_weight, router_bias)
+        d_router_weight, d_router_bias = _router_param_grads(d_logits, route_state["hidden"], router_weight,
+                                                             router_bias)
     else:
         if ep_mode == "all_reduce":
             d_hidden, d_weights, d_gate_up, d_down = _replicated_backward(

@@ -120,31 +120,6 @@ def test_fp32_tf32_switch(b_trans):
     assert err_tf32 > 10 * err_ieee, (err_tf32, err_ieee)  # TF32 really ran when allowed, and only then
 
 
-# the MoE router backward's two fp32 matmuls at DeepSeek-V3's size (d_logits @ W, d_logits^T @ hidden), ragged
-@pytest.mark.parametrize("M,N,K,a_trans", [(16384, 7168, 256, False), (256, 7168, 16384, True),
-                                           (1000, 520, 776, False), (129, 136, 8, True)])
-def test_fp32_tf32x3_is_fp32_accurate(M, N, K, a_trans):
-    """precision="tf32x3": as accurate as torch's exact fp32 matmul (vs float64), far better than TF32, and its
-    result does not depend on allow_tf32."""
-    a, b, _ = make_operands(M, N, K, torch.float32, False, a_trans=a_trans, seed=7)
-    ref = reference(a, b, None)
-    old = torch.backends.cuda.matmul.allow_tf32
-    try:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        err_fp32 = rel_err(a @ b, ref)
-        got = run_poisoned(a, b, None, precision="tf32x3")
-        torch.backends.cuda.matmul.allow_tf32 = True
-        err_tf32 = rel_err(a @ b, ref)
-        assert torch.equal(run_poisoned(a, b, None, precision="tf32x3"), got)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-    err = rel_err(got, ref)
-    assert err <= max(4 * err_fp32, 2e-6), (err, err_fp32)
-    assert err * 50 < err_tf32, (err, err_tf32)
-    with pytest.raises(GemmUnsupported, match="float32"):
-        gemm(a.bfloat16(), b.bfloat16(), precision="tf32x3")
-
-
 @pytest.mark.parametrize("config", [None, "bn128", "bn256_nested", "ws128", "ws128_1c_sk", "ws128_1c_ht"])
 def test_bit_identical_over_grid_sizes(config):
     M, N, K = 1536, 1792, 2056

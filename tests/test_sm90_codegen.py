@@ -41,27 +41,6 @@ def test_gemm_core():
     assert rep["spill_stores"] == 0, rep["text"]
 
 
-@pytest.mark.parametrize("a_trans", [False, True], ids=["a", "a.t()"])
-def test_gemm_core_fp32_tf32x3(a_trans):
-    """gemm(precision="tf32x3") (the MoE router backward's fp32 matmuls): three TF32 wgmma per K step, no spills."""
-    from kosmos.kernels import gemm
-
-    cfg = gemm.CONFIGS["fp32_tf32x3"]
-    half = cfg.block_n // 2 if cfg.epilogue_subtile else cfg.block_n
-    k = compile_sm90(gemm.gemm_persistent_kernel,
-                     dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                          A_TRANS=a_trans, B_TRANS=False, HAS_BIAS=False, EPILOGUE_SUBTILE=cfg.epilogue_subtile,
-                          FLATTEN=cfg.flatten, STREAM_K=True, DOT_PRECISION="tf32x3"),
-                     dict(bias_ptr="fp32", ws_ptr="fp32", cnt_ptr="i32"),
-                     dict(a_desc=(torch.float32, (cfg.block_k, cfg.block_m) if a_trans else (cfg.block_m, cfg.block_k)),
-                          b_desc=(torch.float32, (cfg.block_k, cfg.block_n)),
-                          c_desc=(torch.float32, (cfg.block_m, half))),
-                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    rep = _report(k)
-    assert rep["spill_stores"] == 0, rep["text"]
-    assert ".tf32.tf32" in k.asm["ptx"] and "wgmma" in k.asm["ptx"]
-
-
 @pytest.mark.parametrize("name", ["ws128", "ws64_1c", "ws128_1c", "ws256_1c", "ws128_1c_sk", "ws128_1c_ht"])
 @pytest.mark.parametrize("b_trans", [True, False], ids=["w.t()", "kn"])
 def test_gemm_warp_specialized(name, b_trans):

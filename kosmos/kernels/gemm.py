@@ -290,8 +290,6 @@ CONFIGS: dict[str, GemmConfig] = {
                            stream_k=False, kernel="ws", ws_consumers=1),
     # fp32 operands, TF32 tensor cores: 4-byte elements, so smaller K blocks fit the shared memory.
     "fp32": GemmConfig(128, 128, 32, num_stages=3, num_warps=8),
-    # fp32 as three TF32 products (gemm(precision="tf32x3")): the operands' splits live in registers.
-    "fp32_tf32x3": GemmConfig(128, 128, 32, num_stages=3, num_warps=8),
     # fp32 exact (no tensor cores, FMA): larger tiles spill registers (sm_90 compile: 64x64x16 w4 has none).
     "fp32_ieee": GemmConfig(64, 64, 16, num_stages=3, num_warps=4),
 }
@@ -574,22 +572,15 @@ def num_sms(device: torch.device) -> int:
 
 def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
          out: Optional[torch.Tensor] = None, config: Optional[GemmConfig] = None,
-         num_programs: Optional[int] = None, stream_k: Optional[bool] = None,
-         precision: Optional[str] = None) -> torch.Tensor:
+         num_programs: Optional[int] = None, stream_k: Optional[bool] = None) -> torch.Tensor:
     """C = a @ b (+ bias), a [M, K], b [K, N] (row-major, or w.t() of a row-major [N, K] weight), bias [N].
 
     bf16/fp16/fp32 in, fp32 accumulate, output in the input dtype. fp32 uses TF32 only when
-    torch.backends.cuda.matmul.allow_tf32 is set (input_precision(dtype) says which ran), or, with
-    precision="tf32x3", three TF32 products per multiply (each operand split in a TF32 high part and the TF32
-    rounding of the rest; fp32-accurate on the tensor cores, about three times TF32's cost). Raises
+    torch.backends.cuda.matmul.allow_tf32 is set (input_precision(dtype) says which ran). Raises
     GemmUnsupported (a ValueError) for operands the TMA path cannot take. config overrides the table;
     num_programs caps the grid (default: one program per SM; results are bit-identical for any value);
     stream_k forces the stream-K tail on or off (default: plan_gemm decides).
     """
-    if precision not in (None, "tf32x3"):
-        raise ValueError(f"gemm: precision {precision!r}; supported: None (the dtype's default), 'tf32x3'")
-    if precision is not None and getattr(a, "dtype", None) != torch.float32:
-        raise GemmUnsupported(f"gemm: precision {precision!r} needs float32 operands, got {getattr(a, 'dtype', a)}")
     lay = check_operands(a, b, bias, out)
     M, N, K = lay.M, lay.N, lay.K
     if num_programs is not None and num_programs < 1:
@@ -602,16 +593,14 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, 
         if bias is not None:
             c += bias
         return c
-    if config is None and precision is not None:
-        cfg = CONFIGS["fp32_tf32x3"]
-    elif config is None:
+    if config is None:
         cfg = default_config(a, lay)  # takes the warp-specialized kernel only where it can run
     else:
         cfg = config
         reason = ws_unsupported(a, lay) if cfg.kernel == "ws" else None
         if reason is not None:
             raise GemmUnsupported(f"gemm: config {cfg.name} (warp-specialized): {reason}")
-    precision = precision or input_precision(a.dtype)
+    precision = input_precision(a.dtype)
     sms = num_sms(a.device)
     plan = plan_gemm(M, N, K, cfg, sms, force_stream_k=stream_k)
     programs = min(plan.work_units, num_programs or sms)
@@ -631,6 +620,6 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, 
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         A_TRANS=lay.a_trans, B_TRANS=lay.b_trans, HAS_BIAS=bias is not None,
         EPILOGUE_SUBTILE=cfg.epilogue_subtile, FLATTEN=cfg.flatten, STREAM_K=plan.sk_tiles > 0,
-        DOT_PRECISION=precision if precision in ("ieee", "tf32x3") else "tf32",
+        DOT_PRECISION="ieee" if precision == "ieee" else "tf32",
         num_stages=cfg.num_stages, num_warps=cfg.num_warps)
     return c

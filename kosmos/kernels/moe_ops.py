@@ -37,15 +37,12 @@ imported at the first fused call).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from typing import Optional
 
 import torch
 
 from kosmos.ops import dispatch
-
-log = logging.getLogger("kosmos")
 
 ENV = "KOSMOS_FUSED_MOE"
 MAX_EXPERTS = 256
@@ -345,24 +342,6 @@ def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, 
                         routed_scaling_factor, router_dtype, activation)
 
 
-_TF32X3_SKIPS_LOGGED: set = set()
-
-
-def fp32_matmul_tf32x3(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None):
-    """a @ b of fp32 operands on the GEMM core as three TF32 products (fp32-accurate on the tensor cores, as the
-    fused forward's fp32 router), into out if given; None where the GEMM core cannot take the operands (the caller
-    runs torch's fp32 matmul; the reason is logged once)."""
-    from kosmos.kernels import gemm
-
-    reason = gemm.why_unsupported(a, b, out=out)
-    if reason is not None:
-        if reason not in _TF32X3_SKIPS_LOGGED:
-            _TF32X3_SKIPS_LOGGED.add(reason)
-            log.info("kosmos moe: the router's fp32 matmul runs in torch (%s)", reason)
-        return None
-    return gemm.gemm(a, b, out=out, precision="tf32x3")
-
-
 def register() -> None:
     from kosmos.kernels import moe_rows
 
@@ -371,4 +350,3 @@ def register() -> None:
                             _layer_backward_note)
     dispatch.register_row_kernel("moe_swiglu_rows_backward", moe_rows.swiglu_rows_backward)
     dispatch.register_row_kernel("moe_fold", moe_rows.fold)
-    dispatch.register_row_kernel("fp32_matmul_tf32x3", fp32_matmul_tf32x3)

@@ -71,8 +71,7 @@ They save the forward's inputs (moe_layer also saved_up) and recompute the rest:
 saved_up rows the up projection (`route_backward`, `experts_backward`: matmuls in the weights' dtype, sums in
 fp32). With saved_up nothing of the experts is recomputed: d_topk_weights = <grad_out, y> is taken as
 <grad_out @ down_proj[e], act>, from the same grouped matmul that gives d_act. score_correction_bias and topk_ids
-get no gradient. An fp32 router (router_dtype float32) runs its backward matmuls on CUDA as three TF32 products
-(`_router_matmul`: fp32-accurate, as the fused forward's router) unless allow_tf32 asks for plain TF32.
+get no gradient.
 
 The reference experts (`experts`, `experts_backward`, and the EP ones below) sort the pairs by expert and run every
 projection as ONE grouped matmul over the sorted rows (`_grouped_mm`; weight gradients `_grouped_wgrad`):
@@ -254,19 +253,6 @@ def route(hidden, router_weight, router_bias, score_correction_bias, top_k: int,
     return logits, ids, weights
 
 
-def _router_matmul(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """a @ b for the router's backward (into out if given). fp32 operands on CUDA without allow_tf32 run on the
-    GEMM core as three TF32 products, fp32-accurate as the fused forward's fp32 router (exact FMA fp32 took
-    ~1.5 ms per DeepSeek-V3 router matmul on the H200); otherwise, or where the GEMM core refuses them, torch."""
-    kernel = None
-    if a.dtype == torch.float32 and b.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        kernel = dispatch.row_kernel("fp32_matmul_tf32x3", a.device)
-    res = kernel(a, b, out) if kernel is not None else None
-    if res is not None:
-        return res
-    return torch.mm(a, b, out=out) if out is not None else a @ b
-
-
 def route_backward(d_weights, d_logits_out, routed, router_weight, router_bias, scoring, routed_scaling_factor,
                    d_hidden=None):
     """Gradients of the router, given `routed` = _route_forward(...) of the same inputs: d_weights [T, k] (of its
@@ -275,7 +261,7 @@ def route_backward(d_weights, d_logits_out, routed, router_weight, router_bias, 
     [T, H]) given: the router's part is added into it in place (the same sum, without an fp32 temporary)."""
     d_logits = _router_d_logits(d_weights, d_logits_out, routed, scoring, routed_scaling_factor)
     st = routed[3]
-    part = _router_matmul(d_logits, st["router_weight"])
+    part = d_logits @ st["router_weight"]
     d_hidden = part.float() if d_hidden is None else d_hidden.add_(part)
     return (d_hidden, *_router_param_grads(d_logits, st["hidden"], router_weight, router_bias))
 
@@ -302,7 +288,7 @@ def _router_d_logits(d_weights, d_logits_out, routed, scoring, routed_scaling_fa
 
 def _router_param_grads(d_logits, hidden, router_weight, router_bias):
     """(d_router_weight, d_router_bias or None) from the logits gradient and the router's input (cast as it ran)."""
-    d_router_weight = _router_matmul(d_logits.transpose(0, 1), hidden).to(router_weight.dtype)
+    d_router_weight = (d_logits.transpose(0, 1) @ hidden).to(router_weight.dtype)
     d_router_bias = d_logits.float().sum(0).to(router_bias.dtype) if router_bias is not None else None
     return d_router_weight, d_router_bias
 
@@ -526,7 +512,7 @@ def _fold_saved(d_x, row, num_tokens, top_k, h, d_logits=None, router_weight=Non
     part = None
     if d_logits is not None:
         scratch = _storage_as(h, shape, d_logits.dtype, offset=math.prod(shape) * 4) if out is not None else None
-        part = _router_matmul(d_logits, router_weight, out=scratch)
+        part = torch.mm(d_logits, router_weight, out=scratch) if scratch is not None else d_logits @ router_weight
     return _fold(d_x, row, num_tokens, top_k, torch.float32, out=out, add=part)
 
 

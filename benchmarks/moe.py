@@ -117,7 +117,7 @@ def run_cell(layer: str, T: int, args) -> dict:
     res = {"layer": layer, "T": T, **d}
     kosmos.reset_report()
     fns = variants(block)
-    runs = {"hf_eager": fns["hf_eager"], "inductor": fns["inductor"]}
+    runs = {name: fns[name] for name in ("hf_eager", "inductor") if name in args.baselines}
     runs.update({mode: fns["kosmos"] for mode in KOSMOS_MODES if mode in args.modes})
     params = [x] + list(block.parameters())
     with torch.no_grad():
@@ -166,7 +166,7 @@ def table(results) -> str:
         for kind in ("fwd", "fwdbwd"):
             best = min(r.get(f"{kind}_{m}", float("inf")) for m in KOSMOS_MODES if f"{kind}_{m}" in r)
             times = " ".join(f"{r.get(f'{kind}_{c}', float('nan')):>12.2f}" for c in cols)
-            cells.append(f"{times} {r[f'{kind}_inductor'] / best:>6.2f}")
+            cells.append(f"{times} {r.get(f'{kind}_inductor', float('nan')) / best:>6.2f}")
         peak = f"{r.get('peak_gib_inductor', float('nan')):.2f} / {r.get('peak_gib_kosmos_default', float('nan')):.2f}"
         lines.append(f"{r['layer']:>14} {r['T']:>6} | fwd ms: {cells[0]} | fwd+bwd ms: {cells[1]} | {ok} | {peak}")
     lines.append("x ind: Inductor time / the faster kosmos impl; impls that ran: " + "; ".join(
@@ -191,12 +191,18 @@ def main(argv=None) -> int:
     p.add_argument("--min-reps", type=int, default=10, help="timed calls per figure at least (median)")
     p.add_argument("--modes", default="kosmos_ref,kosmos_default,kosmos_fused",
                    help="kosmos impls to time (comma-separated): " + ", ".join(KOSMOS_MODES))
+    p.add_argument("--baselines", default="hf_eager,inductor",
+                   help="HF's block to time beside kosmos: hf_eager, inductor (comma-separated; '' for neither: A/B "
+                        "runs of kosmos trees, benchmarks/ab_trees.sh)")
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, fp32: checks the script runs (no timing)")
     p.add_argument("--ep", default="", help="EP mode: comma-separated SimWorld sizes (benchmarks/moe_ep.py)")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
+    args.baselines = [b for b in args.baselines.split(",") if b]
+    if set(args.baselines) - {"hf_eager", "inductor"}:
+        p.error(f"unknown --baselines {args.baselines}; known: hf_eager, inductor")
     unknown = sorted(set(args.modes) - set(KOSMOS_MODES))
     if unknown:
         p.error(f"unknown --modes {unknown}; known: {list(KOSMOS_MODES)}")
@@ -222,7 +228,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-    if args.plot and not args.tiny:
+    if args.plot and not args.tiny and "inductor" in args.baselines:
         plot(results, args.plot)
     print(table(results))
     worst = max(v for r in results for k, v in r.items() if k.startswith("err_"))

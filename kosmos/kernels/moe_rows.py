@@ -2,8 +2,9 @@
 pieces between its grouped matmuls, one pass over the rows each instead of eager's ten. Registered with
 kosmos.ops.dispatch as row kernels; the ops keep the torch math for other devices.
 
-    swiglu_rows_backward(h, d_au, w, in_place=False, act_w=None) -> (d_h [S, 2I] in h's dtype, d_w [S] fp32); in_place:
-        d_h over h; act_w: act * w written there too (d_au allowed; act = silu(gate) * up of h = [gate | up], in d_au's dtype)
+    swiglu_rows_backward(h, d_au, w, in_place=False, act_w=None) -> (d_h [S, 2I] in h's dtype, d_w [S] fp32);
+        in_place: d_h over h; act_w: act * w written there too (d_au allowed; act = silu(gate) * up of
+        h = [gate | up], in d_au's dtype)
         d_au = grad_out rows @ down_proj[e] (unweighted): d_act = d_au * w, d_h = d SwiGLU, d_w = <d_au, act>
     fold(rows, row, weights=None, out=None, add=None) -> [T, H]: sum over slots j (in order, fp32) of rows[row[t, j]]
         (* weights[t, j], each product rounded to P = promote(rows, weights)), + add; fp32 out, or P with weights
@@ -77,8 +78,9 @@ def _check(h: torch.Tensor, w: torch.Tensor, *more: torch.Tensor) -> None:
 def swiglu_rows_backward(h: torch.Tensor, d_au: torch.Tensor, w: torch.Tensor, in_place: bool = False,
                          act_w: Optional[torch.Tensor] = None):
     """(d_h [S, 2I] in h's dtype, d_w [S] fp32) from h [S, 2I], d_au [S, I] and w [S]; with in_place, d_h is
-    written over h (and returned). act_w given ([S, I] in d_au's dtype, d_au itself allowed): scaled_act(h, w)
-    (act = silu(gate) * up, rounded as the ops round it) is written there too, from the same loads (for the d_down_proj that follows, once h holds d_h)."""
+    written over h (and returned). act_w given ([S, I] in d_au's dtype, d_au itself allowed): act * w (act =
+    silu(gate) * up, rounded as the ops round it) is written there too, from the same loads (the d_down_proj that
+    follows needs it once h holds d_h)."""
     _check(h, w, d_au, *([act_w] if act_w is not None else []))
     S, I = h.shape[0], h.shape[1] // 2
     if act_w is not None and (act_w.shape != d_au.shape or act_w.dtype != d_au.dtype):

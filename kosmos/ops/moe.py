@@ -488,9 +488,9 @@ def _experts_backward_saved_(grad_out, hidden, rows, w_rows, h, gate_up_proj, do
     with g the rows' grad_out; the weight's gradient <g, y> is <g @ down_e, act>, so one grouped matmul gives it
     and d_act, and one pass over the rows gives d_h, the weights' gradients and act * w (over g @ down_e). Peak
     memory: temporaries are dropped after their last use and d_h takes h's storage, so the weight grads are
-    computed beside d_h and one [S, H] buffer at a time and no more. -> (d_x [S, H] of the rows, unfolded, in
-    gate_up_proj's dtype, d_weight of each row fp32 [S], d_gate_up_proj, d_down_proj); h's storage is dead after
-    (`_fold_saved` puts d_hidden there)."""
+    computed beside d_h and one [S, H] buffer at a time and no more. -> (d_h [S, 2I] in h's storage, d_weight of
+    each row fp32 [S], d_gate_up_proj, d_down_proj); d_x = d_h @ gate_up_proj per group is left to the caller
+    (anything small it computes before d_x stays off the peak)."""
     g = rows.gather(grad_out.to(down_proj.dtype))
     d_au = _grouped_mm(g, down_proj, rows.groups)
     d_h, d_w_rows, act_w = _swiglu_rows_backward_(h, d_au, w_rows)
@@ -499,8 +499,7 @@ def _experts_backward_saved_(grad_out, hidden, rows, w_rows, h, gate_up_proj, do
     del g, act_w
     x = rows.gather(hidden).to(gate_up_proj.dtype)
     d_gate_up = _grouped_wgrad(d_h, x, rows.groups, gate_up_proj)
-    del x
-    return _grouped_mm(d_h, gate_up_proj, rows.groups), d_w_rows, d_gate_up, d_down
+    return d_h, d_w_rows, d_gate_up, d_down
 
 
 def _fold_saved(d_x, row, num_tokens, top_k, h, d_logits=None, router_weight=None):
@@ -571,14 +570,15 @@ def _fold_weighted(y, row, topk_weights):
 
 
 def experts_backward_saved_rows(grad_out, hidden, rows, topk_weights, gate_up_proj, down_proj, saved_up):
-    """`experts_backward` with saved up rows, d_hidden left unfolded: (d_x [S, H] rows, d_topk_weights,
-    d_gate_up_proj, d_down_proj); saved_up's storage is dead after (`_fold_saved` folds into it)."""
+    """`experts_backward` with saved up rows up to the rows' d_up: (d_h [S, 2I] written over saved_up,
+    d_topk_weights, d_gate_up_proj, d_down_proj). The rows' d_x is _grouped_mm(d_h, gate_up_proj, rows.groups),
+    after which saved_up's storage is dead (`_fold_saved` folds d_x into it)."""
     num_tokens, top_k = topk_weights.shape
     w_rows = rows.gather(topk_weights.reshape(-1), rows.pair)
-    d_x, d_w_rows, d_gate_up, d_down = _experts_backward_saved_(grad_out, hidden, rows, w_rows, saved_up,
+    d_h, d_w_rows, d_gate_up, d_down = _experts_backward_saved_(grad_out, hidden, rows, w_rows, saved_up,
                                                                 gate_up_proj, down_proj)
     d_weights = d_w_rows[rows.row].view(num_tokens, top_k).to(topk_weights.dtype)
-    return d_x, d_weights, d_gate_up, d_down
+    return d_h, d_weights, d_gate_up, d_down
 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu",
@@ -590,8 +590,10 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, dow
     num_tokens, top_k = topk_ids.shape
     rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
     if saved_up is not None:
-        d_x, d_weights, d_gate_up, d_down = experts_backward_saved_rows(grad_out, hidden, rows, topk_weights,
+        d_h, d_weights, d_gate_up, d_down = experts_backward_saved_rows(grad_out, hidden, rows, topk_weights,
                                                                         gate_up_proj, down_proj, saved_up)
+        d_x = _grouped_mm(d_h, gate_up_proj, rows.groups)
+        del d_h
         return _fold_saved(d_x, rows.row, num_tokens, top_k, saved_up), d_weights, d_gate_up, d_down
     w_rows = rows.gather(topk_weights.reshape(-1), rows.pair)
     x = rows.gather(hidden).to(gate_up_proj.dtype)
@@ -870,9 +872,11 @@ def moe_layer_backward(
     _check_ep_group("moe_layer_backward", ep_group_name, ep_world_size)
     if with_saved_up:  # the router's d_hidden goes into the experts' fold (no fp32 [T, H] add pass)
         rows = _SortedPairs(ids, gate_up_proj.shape[0])
-        d_x, d_weights, d_gate_up, d_down = experts_backward_saved_rows(grad_out, hidden, rows, weights,
+        d_h, d_weights, d_gate_up, d_down = experts_backward_saved_rows(grad_out, hidden, rows, weights,
                                                                         gate_up_proj, down_proj, saved_up)
         d_logits = _router_d_logits(d_weights, grad_router_logits, routed, scoring, routed_scaling_factor)
+        d_x = _grouped_mm(d_h, gate_up_proj, rows.groups)  # after d_logits: the router's temporaries stay off the peak
+        del d_h
         d_hidden = _fold_saved(d_x, rows.row, hidden.shape[0], top_k, saved_up, d_logits,
                                route_state["router_weight"])
         del d_x

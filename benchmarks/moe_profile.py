@@ -8,6 +8,10 @@ forward / forward+backward: a few warm-up steps, then --steps profiled steps; ev
 time divided by the steps, largest first (--top of them), with the sum over all kernels. Kernel times under the
 profiler are device times of the kernels themselves: gaps between kernels (launch cost, host sync) are not in
 the sum, so the sum can be below the layer's time in benchmarks/moe.py.
+
+--ops NAME (e.g. _grouped_mm): also the ops whose name contains NAME, one line per op and input shapes, with
+their calls and their kernels' device time per step (record_shapes; on the CPU their CPU time): which of a
+variant's grouped matmuls is slow, and with which operand shapes.
 """
 from __future__ import annotations
 
@@ -47,6 +51,25 @@ def kernel_times(step, steps: int, device: str) -> dict:
     return dict(totals)
 
 
+def op_times(step, steps: int, device: str, match: str) -> dict:
+    """(op name, input shapes) -> (calls per step, device ms per step of its kernels) for every op whose name
+    contains `match` (CPU ms per step on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts, record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    out = {}
+    for avg in prof.key_averages(group_by_input_shape=True):
+        if match in avg.key:
+            us = getattr(avg, "device_time_total", 0.0) if device == "cuda" else avg.cpu_time_total
+            out[(avg.key, str(avg.input_shapes))] = (avg.count / steps, us / 1000.0 / steps)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help="comma-separated substrings of layer names")
@@ -54,6 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--ops", default="", help="also time the ops whose name contains this, by input shapes")
     p.add_argument("--json", default="")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, fp32: checks the script runs")
     args = p.parse_args(argv)
@@ -88,6 +112,11 @@ def main(argv=None) -> int:
                         print(f"\n## {layer} T={T} {name} {kind}: kernels sum {total:.3f} ms/step", flush=True)
                         for k, ms in sorted(times.items(), key=lambda kv: -kv[1])[:args.top]:
                             print(f"{ms:9.3f} ms {100 * ms / max(total, 1e-9):5.1f}%  {k[:110]}", flush=True)
+                        if args.ops:
+                            ops = op_times(step, args.steps, device, args.ops)
+                            out[-1]["ops"] = {f"{k[0]} {k[1]}": v for k, v in ops.items()}
+                            for (op, shapes), (calls, ms) in sorted(ops.items(), key=lambda kv: -kv[1][1]):
+                                print(f"   op {ms:9.3f} ms {calls:5.1f} calls  {op} {shapes[:160]}", flush=True)
             del fns, block
             if args.json:
                 with open(args.json, "w") as fh:

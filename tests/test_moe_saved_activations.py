@@ -84,6 +84,7 @@ def test_compiled_backward_writes_d_up_over_saved_up():
 
     block, x = _block_and_input()
     torch._dynamo.reset()
+    kosmos.reset_report()
     compiled = torch.compile(block, backend="kosmos", options={"tp_sp": False})
     with torch._inductor.config.patch(fx_graph_cache=False):
         _, codes = run_and_get_code(lambda: compiled(x).sum().backward())
@@ -96,6 +97,9 @@ def test_compiled_backward_writes_d_up_over_saved_up():
     inputs = next(line for line in backward.splitlines() if line.strip().endswith("= args"))
     assert saved_up in inputs.split("=")[0].replace(",", " ").split(), (saved_up, inputs)
     assert not re.search(r"\b(cpp_fused|triton_)\w*", backward.split("def call(")[1]), backward
+    (rec,) = [r for r in kosmos.report().records if r.kind == "saved_up_in_place"]
+    assert (rec.graph, rec.rewritten) == ("backward", True), rec.line()
+    assert "overwrites its donated saved buffer itself" in rec.reason, rec.line()
 
 
 def test_second_backward_through_overwritten_saved_up_raises_or_is_right():
@@ -119,12 +123,16 @@ def test_second_backward_through_overwritten_saved_up_raises_or_is_right():
         for donated in (True, False):
             with functorch_config.patch(donated_buffer=donated):
                 torch._dynamo.reset()
+                kosmos.reset_report()
                 compiled = torch.compile(block, backend="kosmos", options={"tp_sp": False})
                 try:
                     results = _grads(compiled, x, params, twice=True)
                 except RuntimeError as e:
                     assert donated and "donated buffers" in str(e), e
                     continue
+                # compiled without donating saved_up: the op overwrites Inductor's copy, and the report says why
+                (rec,) = [r for r in kosmos.report().records if r.kind == "saved_up_in_place"]
+                assert not rec.rewritten and "not a donated saved tensor" in rec.reason, rec.line()
                 for got in results:
                     for a, b in zip(got, want):
                         assert (a - b).abs().max() <= 1e-5 * b.abs().max(), (a - b).abs().max()

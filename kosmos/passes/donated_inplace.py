@@ -7,16 +7,18 @@ the donated placeholder's buffer for that clone, which leaves a kernel copying t
 and written per Qwen3-235B layer at T = 16384, 0.38 ms of the H200's backward). A donated saved tensor
 (TracingContext fw_metadata.bw_donated_idxs: not aliased by any forward input or output; AOT autograd raises if a
 second backward runs through its graph) that nothing else in the graph reads may be overwritten in place, which is
-what this pass writes: the op called directly on the placeholder."""
+what this pass writes: the op called directly on the placeholder. Each candidate is reported (kind
+"saved_up_in_place"), with the reason where Inductor's copy stays (retain_graph, donated_buffer off, other readers)."""
 from __future__ import annotations
 
-import logging
 import operator
 from typing import Optional
 
 import torch
 
-log = logging.getLogger("kosmos")
+from kosmos.reporting import PassRecord, record
+
+KIND = "saved_up_in_place"
 
 
 def _inplace_ops() -> tuple:
@@ -84,7 +86,8 @@ def run(graph: torch.fx.Graph) -> int:
             why = "a base has other readers"
         kwargs = None if why else _direct_kwargs(node.kwargs, op)
         if kwargs is None:
-            log.debug("kosmos: %s keeps Inductor's copy of its overwritten input: %s", op, why or "a view argument")
+            record(PassRecord(KIND, "backward", False, f"{op._schema.name} overwrites a copy of its saved buffer "
+                              f"(Inductor's): {why or 'a view or list argument'}", (node.name,)))
             continue
         n_out = len(op._schema.returns)
         with graph.inserting_before(node):
@@ -105,5 +108,7 @@ def run(graph: torch.fx.Graph) -> int:
                 user.replace_all_uses_with(bases[i - n_out])
                 graph.erase_node(user)
         graph.erase_node(node)
+        record(PassRecord(KIND, "backward", True, f"{op._schema.name} overwrites its donated saved buffer itself "
+                          "(no copy)", (call.name,)))
         done += 1
     return done

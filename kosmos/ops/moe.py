@@ -460,23 +460,17 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 14) -> torch.Ten
     return out
 
 
-def _scaled_act(h, w, dtype):
-    """act * w [S, I] in dtype (act of h = [gate | up] as `_swiglu`, w [S] the rows' routing weights); on CUDA the
-    row kernel of `_swiglu_rows_backward_` computes it."""
-    act = _swiglu(h, dtype)[3]
-    return (act.to(torch.promote_types(dtype, w.dtype)) * w.unsqueeze(-1)).to(dtype)
-
-
 def _swiglu_rows_backward_(h, d_au, w):
     """(d_h [S, 2I] of h's dtype, written over h, d_w [S] fp32, act * w [S, I] written over d_au) for
     act = silu(gate) * up of h: d_au [S, I] is grad_out rows @ down_proj[e] without the routing weights w [S], so
-    d_act = d_au * w and d_w = <d_au, act>; act * w is `_scaled_act`'s (d_down_proj's operand)."""
+    d_act = d_au * w and d_w = <d_au, act>; act * w (in d_au's dtype, each product in promote(d_au, w)) is
+    d_down_proj's operand."""
     kernel = dispatch.row_kernel("moe_swiglu_rows_backward", h.device)
     if kernel is not None:
         d_h, d_w = kernel(h, d_au, w, in_place=True, act_w=d_au)
         return d_h, d_w, d_au
-    act_w = _scaled_act(h, w, d_au.dtype)
     gate, up, silu, act = _swiglu(h, d_au.dtype)
+    act_w = (act.to(torch.promote_types(d_au.dtype, w.dtype)) * w.unsqueeze(-1)).to(d_au.dtype)
     d_act = (d_au * w.unsqueeze(-1)).to(silu.dtype)
     d_w = _rowdot(d_au, act)
     return h.copy_(_swiglu_backward(gate, up, silu, d_act)), d_w, d_au.copy_(act_w)

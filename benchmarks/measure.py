@@ -47,11 +47,18 @@ def bench_graph(fn, calls: int = 20, replays: int = 7) -> float:
     return (times[True] - times[False]) / calls
 
 
-def bench_calls(fn, warmup_ms: float, rep_ms: float, min_reps: int = 10) -> float:
+def bench_calls(fn, warmup_ms: float, rep_ms: float, min_reps: int = 10, synced: bool = False) -> float:
     """Median ms of fn() over max(min_reps, rep_ms worth) calls after warmup_ms worth, L2 flushed before each (CUDA
     events around each call). triton's do_bench sizes its repeats by rep alone: a 90 ms training step with rep=40
     is timed ONCE (the MoE benchmarks' large-layer fwd+bwd figures up to the eighth session were such single
-    calls)."""
+    calls).
+
+    By default the calls are enqueued back to back and the host synchronizes once at the end, as do_bench does and
+    as a training loop runs: the host's launch work overlaps the device's previous call, and the device stays busy
+    (at its loaded clock). synced=True waits for each call before the next (the ninth to thirteenth sessions' timing):
+    each call then also pays the host time before its first kernel starts and the clock's ramp from an idle device
+    (measured on the H200, benchmarks/moe_host_probe.py, RESULTS.md fourteenth session: 1.0-1.6 ms on a 9 ms MoE
+    forward, falling as a device-side sleep ahead of the call grows to 5 ms)."""
     flush = _flush_buffer()
 
     def once() -> float:
@@ -63,10 +70,26 @@ def bench_calls(fn, warmup_ms: float, rep_ms: float, min_reps: int = 10) -> floa
         end.synchronize()
         return start.elapsed_time(end)
 
+    def stream(n: int) -> list:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        for start, end in events:
+            flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) for start, end in events]
+
     est = min(once() for _ in range(2))
-    for _ in range(int(warmup_ms / max(est, 1e-3))):
-        once()
-    times = sorted(once() for _ in range(max(min_reps, int(rep_ms / max(est, 1e-3)))))
+    warm = int(warmup_ms / max(est, 1e-3))
+    reps = max(min_reps, int(rep_ms / max(est, 1e-3)))
+    if synced:
+        for _ in range(warm):
+            once()
+        times = sorted(once() for _ in range(reps))
+    else:
+        stream(warm)
+        times = sorted(stream(reps))
     return times[len(times) // 2]
 
 

@@ -70,11 +70,11 @@ def build_block(layer: str, device, dtype, tiny: bool = False):
 
 def timed(fn, args) -> float:
     """measure.bench_calls: at least --min-reps timed calls (the fifth to eighth sessions' do_bench timed a 90 ms
-    training step once)."""
+    training step once), back to back unless --synced."""
     if args.tiny:
         fn()
         return float("nan")
-    return bench_calls(fn, args.warmup, args.rep, args.min_reps)
+    return bench_calls(fn, args.warmup, args.rep, args.min_reps, synced=args.synced)
 
 
 def peak_gib(step, args) -> float:
@@ -114,7 +114,7 @@ def run_cell(layer: str, T: int, args) -> dict:
     T = min(T, 64) if args.tiny else T
     x = torch.randn(1, T, d["H"], device=device, dtype=dtype, requires_grad=True)
     g = torch.randn_like(x)
-    res = {"layer": layer, "T": T, **d}
+    res = {"layer": layer, "T": T, "timing": "synced" if args.synced else "stream", **d}
     kosmos.reset_report()
     fns = variants(block)
     runs = {name: fns[name] for name in ("hf_eager", "inductor") if name in args.baselines}
@@ -194,6 +194,9 @@ def main(argv=None) -> int:
     p.add_argument("--baselines", default="hf_eager,inductor",
                    help="HF's block to time beside kosmos: hf_eager, inductor (comma-separated; '' for neither: A/B "
                         "runs of kosmos trees, benchmarks/ab_trees.sh)")
+    p.add_argument("--synced", action="store_true",
+                   help="wait for each timed call before the next (the ninth to thirteenth sessions' timing; default: "
+                        "calls back to back, one sync at the end, as triton's do_bench)")
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, fp32: checks the script runs (no timing)")

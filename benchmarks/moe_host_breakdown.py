@@ -1,0 +1,81 @@
+"""Host time of one MoE training step under backend="kosmos", split by the reference backward's pieces (perf_counter
+wrappers around kosmos.ops.moe functions) and by op (torch.profiler, CPU self time). Without a GPU it runs tiny dims.
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/moe_host_breakdown.py qwen3_30b_a3b 4096
+"""
+from __future__ import annotations
+
+import collections
+import sys
+import time
+
+import torch
+
+from moe import build_block
+
+PIECES = ("_SortedPairs", "experts_backward_saved_rows", "_router_d_logits", "_grouped_mm", "_fold_saved",
+          "_router_param_grads", "_route_forward", "_check_saved_state", "_check_saved_logits", "_backward_outputs",
+          "_grouped_wgrad", "_swiglu_rows_backward_")
+
+
+def main(layer: str, T: int, steps: int = 20) -> None:
+    import kosmos  # noqa: F401  (registers the backend)
+    from kosmos.ops import moe as om
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    block, d = build_block(layer, dev, torch.bfloat16, tiny=dev == "cpu")
+    T = T if dev == "cuda" else 64
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    x = torch.randn(1, T, d["H"], device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    params = [x] + list(block.parameters())
+    f = torch.compile(block, backend="kosmos")
+    spent = collections.defaultdict(float)
+
+    def wrap(name):
+        orig = getattr(om, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t0
+
+        setattr(om, name, timed)
+
+    for name in PIECES:  # module globals: the op's body looks them up at each call
+        wrap(name)
+
+    def step():
+        out = f(x)
+        t1 = time.perf_counter()
+        torch.autograd.grad(out, params, g, allow_unused=True)
+        return t1
+
+    for _ in range(5):
+        step()
+    sync()
+    spent.clear()
+    t_fwd = t_bwd = 0.0
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        t1 = step()
+        t2 = time.perf_counter()
+        t_fwd += t1 - t0
+        t_bwd += t2 - t1
+    sync()
+    print(f"{layer} T={T}: host fwd {t_fwd / steps * 1e3:.3f} ms, bwd {t_bwd / steps * 1e3:.3f} ms per step")
+    for name, v in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"   {name:32s} {v / steps * 1e3:.3f} ms")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            step()
+        sync()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

@@ -276,6 +276,25 @@ def test_compiled_tiny_qwen3_moe_runs_fused(monkeypatch):
     moe_runs = {k: n for k, n in runs.items() if k[0] == "moe_layer"}
     assert moe_runs and all(k[1] == "fused" for k in moe_runs), runs
     assert rel_err(out, eager) <= 3e-2
+    # no backward in this graph: the op runs without its saved up rows (kosmos.passes.unused_saved_up)
+    assert [r.graph for r in kosmos.report().records if r.kind == "saved_up_skipped"] == ["inference"] * len(
+        model.model.layers)
+
+
+def test_fused_op_without_saved_up(monkeypatch):
+    """save_up=False on the fused forward: saved_up comes back [0, 2I], the other outputs are the bits of a run with
+    it."""
+    import kosmos
+
+    monkeypatch.setenv("KOSMOS_FUSED_MOE", "1")
+    h, rw, gu, d = make(700, 256, 128, 8, torch.bfloat16, seed=10)
+    kosmos.reset_report()
+    full = torch.ops.kosmos.moe_layer(h, rw, None, None, gu, d, 2, "softmax", True)
+    bare = torch.ops.kosmos.moe_layer(h, rw, None, None, gu, d, 2, "softmax", True, save_up=False)
+    assert all(k[1] == "fused" for k in kosmos.report().runtime if k[0] == "moe_layer"), kosmos.report().runtime
+    assert tuple(full[3].shape) == (700 * 2 + 8, 256) and tuple(bare[3].shape) == (0, 256)
+    for i in (0, 1, 2, 4):
+        assert torch.equal(full[i], bare[i]), i
 
 
 # ----------------------------------------------------------------------------------------------- saved_up

@@ -247,7 +247,7 @@ def _ep_reason(hidden, gate_up_proj, group_name, world, ep_mode, local_reason) -
 def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                       scoring, norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
                       activation="silu", return_router_logits=False, ep_group_name=None, ep_world_size=1,
-                      ep_mode="all_to_all") -> Optional[str]:
+                      ep_mode="all_to_all", save_up=True) -> Optional[str]:
     if not enabled("forward"):
         return f"fused MoE forward switched off ({ENV}={os.environ.get(ENV)})"
     reason = _device_reason(hidden) or _default_forward_reason(hidden, router_dtype, ep_group_name)
@@ -266,7 +266,7 @@ def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias,
 def run_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
                   norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
                   activation="silu", return_router_logits=False, ep_group_name=None, ep_world_size=1,
-                  ep_mode="all_to_all"):
+                  ep_mode="all_to_all", save_up=True):
     if ep_group_name is not None:  # saved_up is empty under EP: the backward recomputes the up projection
         from kosmos.kernels.moe_ep_group import moe_ep_forward_group
 
@@ -278,11 +278,11 @@ def run_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gat
                 counts.new_empty(0, top_k, dtype=torch.int32))
     from kosmos.kernels.moe import moe_forward
 
-    out, logits, counts, saved_up, ids, _ = moe_forward(
+    out, logits, counts, *saved_up, ids, _ = moe_forward(
         hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
         norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
-        return_router_logits=True, save_up=True, return_routing=True)  # the logits: for the backward
-    return out, logits, counts, saved_up, ids
+        return_router_logits=True, save_up=save_up, return_routing=True)  # the logits: for the backward
+    return out, logits, counts, saved_up[0] if save_up else gate_up_proj.new_empty(0, gate_up_proj.shape[1]), ids
 
 
 def _backward_reason(grad_out, grad_router_logits, hidden, E: int) -> Optional[str]:

@@ -756,10 +756,14 @@ def moe_layer(
     ep_group_name: Optional[str] = None,
     ep_world_size: int = 1,
     ep_mode: str = "all_to_all",
+    save_up: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """save_up=False: the saved up rows (output 3) come back empty [0, 2I] and are never written (what
+    kosmos.passes.unused_saved_up sets where nothing reads them: graphs without a backward); a backward given them
+    recomputes the up projection."""
     args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
             norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
-            return_router_logits, ep_group_name, ep_world_size, ep_mode)
+            return_router_logits, ep_group_name, ep_world_size, ep_mode, save_up)
     _check_layer_args(*args)
     done, fused_out = dispatch.try_fused("moe_layer", hidden.device, *args)
     if done:
@@ -768,7 +772,8 @@ def moe_layer(
                                  norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype)
     _check_ep_group("moe_layer", ep_group_name, ep_world_size)
     if ep_group_name is None:
-        out, counts, saved_up = experts(hidden, ids, weights, gate_up_proj, down_proj, activation, return_up=True)
+        out, counts, *up = experts(hidden, ids, weights, gate_up_proj, down_proj, activation, return_up=save_up)
+        saved_up = up[0] if save_up else gate_up_proj.new_empty(0, gate_up_proj.shape[1])
         topk_ids = ids.to(torch.int32)
     else:
         saved_up = gate_up_proj.new_empty(0, gate_up_proj.shape[1])
@@ -783,15 +788,16 @@ def moe_layer(
     return out, (logits if keep_logits else logits.new_empty(0, logits.shape[1])), counts, saved_up, topk_ids
 
 
-def saved_up_rows(hidden: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int, ep_group_name: Optional[str]) -> int:
+def saved_up_rows(hidden: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int, ep_group_name: Optional[str],
+                  save_up: bool = True) -> int:
     """Rows of moe_layer's saved up output: T * k pairs + E pad rows without EP, none with EP (the rows an owner
-    receives depend on the routing, so under EP the backward recomputes them)."""
-    return hidden.shape[0] * top_k + gate_up_proj.shape[0] if ep_group_name is None else 0
+    receives depend on the routing, so under EP the backward recomputes them) or with save_up=False."""
+    return hidden.shape[0] * top_k + gate_up_proj.shape[0] if ep_group_name is None and save_up else 0
 
 
 def _check_layer_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                       scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
-                      return_router_logits, ep_group_name, ep_world_size, ep_mode="all_to_all"):
+                      return_router_logits, ep_group_name, ep_world_size, ep_mode="all_to_all", save_up=True):
     _check_experts_args("moe_layer", hidden, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
     if ep_mode not in EP_MODES:
         raise ValueError(f"kosmos::moe_layer: ep_mode must be one of {EP_MODES}, got {ep_mode!r}")
@@ -805,10 +811,10 @@ def _check_layer_args(hidden, router_weight, router_bias, score_correction_bias,
 def _moe_layer_fake(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                     scoring, norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
                     activation="silu", return_router_logits=False, ep_group_name=None, ep_world_size=1,
-                    ep_mode="all_to_all"):
+                    ep_mode="all_to_all", save_up=True):
     _check_layer_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                       scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
-                      return_router_logits, ep_group_name, ep_world_size, ep_mode)
+                      return_router_logits, ep_group_name, ep_world_size, ep_mode, save_up)
     e = gate_up_proj.shape[0] * ep_world_size
     logits_dtype = router_dtype or hidden.dtype
     rows = hidden.shape[0] if return_router_logits or ep_group_name is None else 0
@@ -816,7 +822,8 @@ def _moe_layer_fake(hidden, router_weight, router_bias, score_correction_bias, g
         hidden.new_empty(hidden.shape),
         hidden.new_empty(rows, e, dtype=logits_dtype),
         hidden.new_empty(e, dtype=torch.int32),
-        gate_up_proj.new_empty(saved_up_rows(hidden, gate_up_proj, top_k, ep_group_name), gate_up_proj.shape[1]),
+        gate_up_proj.new_empty(saved_up_rows(hidden, gate_up_proj, top_k, ep_group_name, save_up),
+                               gate_up_proj.shape[1]),
         hidden.new_empty(hidden.shape[0] if ep_group_name is None else 0, top_k, dtype=torch.int32),
     )
 
@@ -946,7 +953,8 @@ def _moe_layer_backward_fake(grad_out, grad_router_logits, hidden, router_weight
 
 
 _LAYER_SCALARS = ("top_k", "scoring", "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
-                  "router_dtype", "activation", "return_router_logits", "ep_group_name", "ep_world_size", "ep_mode")
+                  "router_dtype", "activation", "return_router_logits", "ep_group_name", "ep_world_size", "ep_mode",
+                  "save_up")
 
 
 def _moe_layer_setup_context(ctx, inputs, output):

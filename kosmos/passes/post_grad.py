@@ -1,5 +1,5 @@
 """Post-grad pass stage (forward and backward graphs): TP+SP collective + matmul fusion; backward graphs: kosmos ops
-write donated saved tensors in place."""
+write donated saved tensors in place; graphs without a backward: moe_layer skips the saved up rows nothing reads."""
 from __future__ import annotations
 
 import torch
@@ -27,3 +27,7 @@ def run(graph: torch.fx.Graph, options: KosmosOptions) -> None:
         from kosmos.passes import donated_inplace
 
         donated_inplace.run(graph)
+    else:
+        from kosmos.passes import unused_saved_up
+
+        unused_saved_up.run(graph, kind)

@@ -5,13 +5,13 @@ wrappers around kosmos.ops.moe functions) and by op (torch.profiler, CPU self ti
 """
 from __future__ import annotations
 
-import collections
 import sys
 import time
 
 import torch
 
 from moe import build_block
+from moe_host_probe import timed_calls
 
 PIECES = ("_SortedPairs", "experts_backward_saved_rows", "_router_d_logits", "_grouped_mm", "_fold_saved",
           "_router_param_grads", "_route_forward", "_check_saved_state", "_check_saved_logits", "_backward_outputs",
@@ -31,22 +31,7 @@ def main(layer: str, T: int, steps: int = 20) -> None:
     g = torch.randn_like(x)
     params = [x] + list(block.parameters())
     f = torch.compile(block, backend="kosmos")
-    spent = collections.defaultdict(float)
-
-    def wrap(name):
-        orig = getattr(om, name)
-
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return orig(*a, **k)
-            finally:
-                spent[name] += time.perf_counter() - t0
-
-        setattr(om, name, timed)
-
-    for name in PIECES:  # module globals: the op's body looks them up at each call
-        wrap(name)
+    targets = [(om, name, name) for name in PIECES]  # module globals: the op's body looks them up at each call
 
     def step():
         out = f(x)
@@ -57,19 +42,19 @@ def main(layer: str, T: int, steps: int = 20) -> None:
     for _ in range(5):
         step()
     sync()
-    spent.clear()
     t_fwd = t_bwd = 0.0
-    for _ in range(steps):
+    with timed_calls(targets) as spent:
+        for _ in range(steps):
+            sync()
+            t0 = time.perf_counter()
+            t1 = step()
+            t2 = time.perf_counter()
+            t_fwd += t1 - t0
+            t_bwd += t2 - t1
         sync()
-        t0 = time.perf_counter()
-        t1 = step()
-        t2 = time.perf_counter()
-        t_fwd += t1 - t0
-        t_bwd += t2 - t1
-    sync()
     print(f"{layer} T={T}: host fwd {t_fwd / steps * 1e3:.3f} ms, bwd {t_bwd / steps * 1e3:.3f} ms per step")
-    for name, v in sorted(spent.items(), key=lambda kv: -kv[1]):
-        print(f"   {name:32s} {v / steps * 1e3:.3f} ms")
+    for name, v in sorted(spent.items(), key=lambda kv: -sum(kv[1])):
+        print(f"   {name:32s} {sum(v) / steps:.3f} ms")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(5):
             step()

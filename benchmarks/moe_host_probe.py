@@ -10,6 +10,8 @@ time against the length of the sleep ahead of it.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import cProfile
 import io
 import pstats
@@ -65,39 +67,42 @@ def profile_text(fn, calls: int, top: int) -> str:
     return s.getvalue()
 
 
-def breakdown_text(fn, reps: int) -> str:
-    """Host time of fn and of the kosmos layers under it (perf_counter wrappers), median ms per call."""
-    import collections
-
-    from kosmos.kernels import moe as kmoe
-    from kosmos.ops import moe as omoe
-
+@contextlib.contextmanager
+def timed_calls(targets):
+    """Within: each owner.attr of targets [(owner, attr, label)] appends its host ms per call to spent[label] (the
+    yielded dict of lists); the originals come back after."""
     spent = collections.defaultdict(list)
     patched = []
-
-    def wrap(owner, attr, label):
+    for owner, attr, label in targets:
         orig = getattr(owner, attr)
 
-        def timed(*a, **k):
+        def timed(*a, _orig=orig, _label=label, **k):
             t0 = time.perf_counter()
             try:
-                return orig(*a, **k)
+                return _orig(*a, **k)
             finally:
-                spent[label].append((time.perf_counter() - t0) * 1e3)
+                spent[_label].append((time.perf_counter() - t0) * 1e3)
 
         setattr(owner, attr, timed)
         patched.append((owner, attr, orig))
-
-    wrap(omoe, "_check_layer_args", "ops.moe._check_layer_args")
-    wrap(kmoe, "moe_forward", "kernels.moe.moe_forward")
-    wrap(kmoe, "_moe_forward", "kernels.moe._moe_forward")
-    wrap(kmoe.runtime, "check_grid_fits", "runtime.check_grid_fits")
-    wrap(kmoe._Control, "launch", "_Control.launch (Triton run)")
     try:
-        total = host_ms(fn, reps)
+        yield spent
     finally:
         for owner, attr, orig in reversed(patched):
             setattr(owner, attr, orig)
+
+
+def breakdown_text(fn, reps: int) -> str:
+    """Host time of fn and of the kosmos layers under it (perf_counter wrappers), median ms per call."""
+    from kosmos.kernels import moe as kmoe
+    from kosmos.ops import moe as omoe
+
+    with timed_calls([(omoe, "_check_layer_args", "ops.moe._check_layer_args"),
+                      (kmoe, "moe_forward", "kernels.moe.moe_forward"),
+                      (kmoe, "_moe_forward", "kernels.moe._moe_forward"),
+                      (kmoe.runtime, "check_grid_fits", "runtime.check_grid_fits"),
+                      (kmoe._Control, "launch", "_Control.launch (Triton run)")]) as spent:
+        total = host_ms(fn, reps)
     med = {k: sorted(v)[len(v) // 2] for k, v in spent.items()}
     return "\n".join([f"call {total:.3f} ms (host, median)"] + [f"    {k:32s} {v:.3f} ms x {len(spent[k]) // reps}"
                                                                  for k, v in med.items()])

@@ -43,6 +43,7 @@ from typing import Optional
 import torch
 
 from kosmos.ops import dispatch
+from kosmos.ops.moe import no_saved_up
 
 ENV = "KOSMOS_FUSED_MOE"
 MAX_EXPERTS = 256
@@ -274,7 +275,7 @@ def run_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gat
                                                    gate_up_proj, down_proj, top_k, scoring, norm_topk_prob, n_group,
                                                    topk_group, routed_scaling_factor, router_dtype, activation,
                                                    return_router_logits, ep_group_name)
-        return (out, logits, counts, gate_up_proj.new_empty(0, gate_up_proj.shape[1]),
+        return (out, logits, counts, no_saved_up(gate_up_proj),
                 counts.new_empty(0, top_k, dtype=torch.int32))
     from kosmos.kernels.moe import moe_forward
 
@@ -282,7 +283,7 @@ def run_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gat
         hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
         norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
         return_router_logits=True, save_up=save_up, return_routing=True)  # the logits: for the backward
-    return out, logits, counts, saved_up[0] if save_up else gate_up_proj.new_empty(0, gate_up_proj.shape[1]), ids
+    return out, logits, counts, saved_up[0] if save_up else no_saved_up(gate_up_proj), ids
 
 
 def _backward_reason(grad_out, grad_router_logits, hidden, E: int) -> Optional[str]:

@@ -773,10 +773,10 @@ def moe_layer(
     _check_ep_group("moe_layer", ep_group_name, ep_world_size)
     if ep_group_name is None:
         out, counts, *up = experts(hidden, ids, weights, gate_up_proj, down_proj, activation, return_up=save_up)
-        saved_up = up[0] if save_up else gate_up_proj.new_empty(0, gate_up_proj.shape[1])
+        saved_up = up[0] if save_up else no_saved_up(gate_up_proj)
         topk_ids = ids.to(torch.int32)
     else:
-        saved_up = gate_up_proj.new_empty(0, gate_up_proj.shape[1])
+        saved_up = no_saved_up(gate_up_proj)
         topk_ids = ids.new_empty(0, top_k, dtype=torch.int32)
         if ep_mode == "all_reduce":
             out, counts = _replicated_forward(hidden, ids, weights, gate_up_proj, down_proj, activation,
@@ -793,6 +793,11 @@ def saved_up_rows(hidden: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int, 
     """Rows of moe_layer's saved up output: T * k pairs + E pad rows without EP, none with EP (the rows an owner
     receives depend on the routing, so under EP the backward recomputes them) or with save_up=False."""
     return hidden.shape[0] * top_k + gate_up_proj.shape[0] if ep_group_name is None and save_up else 0
+
+
+def no_saved_up(gate_up_proj: torch.Tensor) -> torch.Tensor:
+    """moe_layer's saved up output where it keeps none (under EP, or save_up=False): [0, 2I]."""
+    return gate_up_proj.new_empty(0, gate_up_proj.shape[1])
 
 
 def _check_layer_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,

@@ -23,17 +23,12 @@ def _reads_saved_up(node: torch.fx.Node) -> bool:
     return False
 
 
-def _save_up_index(op) -> int:
-    return [a.name for a in op._schema.arguments].index("save_up")
-
-
-def _save_up_off(op, node: torch.fx.Node) -> bool:
-    i = _save_up_index(op)
+def _save_up_off(i: int, node: torch.fx.Node) -> bool:
+    """Whether the call already passes save_up=False (at position i or as a keyword)."""
     return (node.args[i] if len(node.args) > i else node.kwargs.get("save_up", True)) is False
 
 
-def _with_save_up_off(op, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    i = _save_up_index(op)
+def _with_save_up_off(i: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if len(args) > i:
         return (*args[:i], False, *args[i + 1:]), dict(kwargs)
     return tuple(args), {**kwargs, "save_up": False}
@@ -42,20 +37,21 @@ def _with_save_up_off(op, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def run(graph: torch.fx.Graph, kind: str) -> int:
     """Sets save_up=False on each moe_layer call nothing reads the saved up rows of; returns how many."""
     op = torch.ops.kosmos.moe_layer.default
+    i = [a.name for a in op._schema.arguments].index("save_up")
     done = 0
     for node in graph.find_nodes(op="call_function", target=op):
-        if _save_up_off(op, node) or _reads_saved_up(node):
+        if _save_up_off(i, node) or _reads_saved_up(node):
             continue
         for user in [u for u in node.users if u.args[1] == SAVED_UP]:
             graph.erase_node(user)
-        node.args, node.kwargs = _with_save_up_off(op, node.args, node.kwargs)
+        node.args, node.kwargs = _with_save_up_off(i, node.args, node.kwargs)
         val = node.meta.get("val")
         if val is not None:  # the output's fake value: [0, 2I], as the op's fake impl gives for save_up=False
             up = val[SAVED_UP]
             node.meta["val"] = type(val)((*val[:SAVED_UP], up.new_empty((0, up.shape[1])), *val[SAVED_UP + 1:]))
         eager = node.meta.get("eager_input_vals")
         if eager is not None:
-            node.meta["eager_input_vals"] = _with_save_up_off(op, *eager)
+            node.meta["eager_input_vals"] = _with_save_up_off(i, *eager)
         record(PassRecord(KIND, kind, True, "nothing reads moe_layer's saved up rows (no backward): the op neither "
                           "writes nor allocates them", (node.name,)))
         done += 1

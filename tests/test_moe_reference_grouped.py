@@ -483,3 +483,31 @@ def test_gpu_fold_kernel_matches_torch(monkeypatch, w_dtype):
         assert rel_err(fused, ref) <= 1e-6
     else:
         assert torch.equal(fused, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T,k,E,H,src_dtype,dtype", [(1000, 8, 64, 2100, torch.bfloat16, None),
+                                                     (333, 4, 16, 96, torch.float32, torch.bfloat16),
+                                                     (0, 2, 4, 64, torch.bfloat16, None)])
+def test_gpu_gather_rows_matches_torch(monkeypatch, T, k, E, H, src_dtype, dtype):
+    """The registered row gather (one pass: gather, pad rows zero, cast) gives _SortedPairs.gather's torch bits,
+    for token rows, per-pair elements and sentinel pairs (id E), and an empty source."""
+    import kosmos.kernels.fused_ops  # noqa: F401
+    from kosmos.ops import dispatch
+
+    g = torch.Generator(device="cuda").manual_seed(T + k)
+    ids = torch.randint(0, E + 1, (T, k), device="cuda", generator=g)  # E: the sentinel (a pair of no expert)
+    rows = moe._SortedPairs(ids, E)
+    src = torch.randn(T, H, device="cuda", generator=g).to(src_dtype)
+    w = torch.rand(T * k, device="cuda", generator=g)
+    assert dispatch.row_kernel("moe_gather_rows", src.device) is not None
+    fused = rows.gather(src, dtype=dtype), rows.gather(w, rows.pair)
+    monkeypatch.setattr(dispatch, "row_kernel", lambda name, device: None)
+    ref = rows.gather(src, dtype=dtype), rows.gather(w, rows.pair)
+    for a, b in zip(fused, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    assert fused[0].dtype == (dtype or src_dtype) and fused[0].shape == (T * k + E, H)
+    if T:
+        assert (fused[0][rows.pads] == 0).all() and (fused[1][rows.pads] == 0).all()

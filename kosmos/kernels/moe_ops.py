@@ -351,3 +351,4 @@ def register() -> None:
                             _layer_backward_note)
     dispatch.register_row_kernel("moe_swiglu_rows_backward", moe_rows.swiglu_rows_backward)
     dispatch.register_row_kernel("moe_fold", moe_rows.fold)
+    dispatch.register_row_kernel("moe_gather_rows", moe_rows.gather_rows)

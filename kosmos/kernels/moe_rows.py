@@ -6,6 +6,8 @@ kosmos.ops.dispatch as row kernels; the ops keep the torch math for other device
         in_place: d_h over h; act_w: act * w written there too (d_au allowed; act = silu(gate) * up of
         h = [gate | up], in d_au's dtype)
         d_au = grad_out rows @ down_proj[e] (unweighted): d_act = d_au * w, d_h = d SwiGLU, d_w = <d_au, act>
+    gather_rows(src, index, dtype) -> [len(index), ...]: src[index[r]] cast to dtype, zero where index[r] is out
+        of src's rows (the pad rows' sentinel): index_select + index_fill_ + cast in one pass
     fold(rows, row, weights=None, out=None, add=None) -> [T, H]: sum over slots j (in order, fp32) of rows[row[t, j]]
         (* weights[t, j], each product rounded to P = promote(rows, weights)), + add; fp32 out, or P with weights
 
@@ -140,4 +142,30 @@ def fold(rows: torch.Tensor, row: torch.Tensor, weights=None, out=None, add=None
         _fold_kernel[grid](rows, row, weights if weights is not None else rows, add if add is not None else rows, out,
                            T, rows.shape[1], TOP_K=k, HAS_W=weights is not None, ROUND_P=P != torch.float32,
                            HAS_ADD=add is not None, BT=32, BH=256, num_warps=4)
+    return out
+
+
+@triton.jit
+def _gather_rows_kernel(src, index, out, S, N, C, BR: tl.constexpr, BC: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    rmask = rows < S
+    src_row = tl.load(index + rows, mask=rmask, other=N).to(tl.int64)
+    inside = rmask & (src_row < N) & (src_row >= 0)
+    cmask = cols < C
+    v = tl.load(src + src_row[:, None] * C + cols[None, :], mask=inside[:, None] & cmask[None, :], other=0.0)
+    tl.store(out + rows.to(tl.int64)[:, None] * C + cols[None, :], v.to(out.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """[len(index), *src.shape[1:]] in `dtype` (default src's): row r is src[index[r]] cast, or zeros where
+    index[r] is not a row of src (negative or >= len(src): the sorted pairs' pad rows carry len(src))."""
+    if not (src.is_cuda and src.is_contiguous() and index.is_cuda and index.dim() == 1):
+        raise ValueError("kosmos moe_rows.gather_rows: a contiguous CUDA source and a 1-d CUDA index expected")
+    out = torch.empty(index.shape[0], *src.shape[1:], dtype=dtype or src.dtype, device=src.device)
+    C = src[0].numel() if src.shape[0] else out[0].numel() if out.shape[0] else 0
+    if out.numel():
+        grid = (triton.cdiv(index.shape[0], 16), triton.cdiv(C, 512))
+        _gather_rows_kernel[grid](src, index, out, index.shape[0], src.shape[0], C, BR=16, BC=512, num_warps=4)
     return out

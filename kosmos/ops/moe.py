@@ -411,10 +411,15 @@ class _SortedPairs:
         self.pads = ends - self.counts + experts
         self.groups = _Groups((ends + experts + 1).to(torch.int32), padded=True)
 
-    def gather(self, t: torch.Tensor, index: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """t's rows (elements) at `index` (default `token`; `pair` for per-pair tensors), the pad rows zero: one
-        gather, no copy of t with a zero row appended."""
+    def gather(self, t: torch.Tensor, index: Optional[torch.Tensor] = None,
+               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """t's rows (elements) at `index` (default `token`; `pair` for per-pair tensors) in `dtype` (default t's),
+        the pad rows zero: one gather, no copy of t with a zero row appended."""
         index = self.token if index is None else index
+        kernel = dispatch.row_kernel("moe_gather_rows", t.device)
+        if kernel is not None and t.is_contiguous():
+            return kernel(t, index, dtype)
+        t = t.to(dtype or t.dtype)  # before the gather: the smaller tensor
         if t.shape[0] == 0:
             return t.new_zeros(index.shape[0], *t.shape[1:])
         return t.index_select(0, index.clamp(max=t.shape[0] - 1)).index_fill_(0, self.pads, 0)
@@ -485,13 +490,13 @@ def _experts_backward_saved_(grad_out, hidden, rows, w_rows, h, gate_up_proj, do
     computed beside d_h and one [S, H] buffer at a time and no more. -> (d_h [S, 2I] in h's storage, d_weight of
     each row fp32 [S], d_gate_up_proj, d_down_proj); d_x = d_h @ gate_up_proj per group is left to the caller
     (anything small it computes before d_x stays off the peak)."""
-    g = rows.gather(grad_out.to(down_proj.dtype))
+    g = rows.gather(grad_out, dtype=down_proj.dtype)
     d_au = _grouped_mm(g, down_proj, rows.groups)
     d_h, d_w_rows, act_w = _swiglu_rows_backward_(h, d_au, w_rows)
     del d_au
     d_down = _grouped_wgrad(g, act_w, rows.groups, down_proj)
     del g, act_w
-    x = rows.gather(hidden).to(gate_up_proj.dtype)
+    x = rows.gather(hidden, dtype=gate_up_proj.dtype)
     d_gate_up = _grouped_wgrad(d_h, x, rows.groups, gate_up_proj)
     return d_h, d_w_rows, d_gate_up, d_down
 
@@ -541,7 +546,7 @@ def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation:
     docstring with return_up). A pair whose id is E (the sentinel) is not computed: it adds 0."""
     num_tokens, top_k = topk_ids.shape
     rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
-    x = rows.gather(hidden).to(gate_up_proj.dtype)
+    x = rows.gather(hidden, dtype=gate_up_proj.dtype)
     up = _grouped_mm(x, gate_up_proj.transpose(1, 2), rows.groups)
     act = _swiglu(up, down_proj.dtype)[3]
     y = _grouped_mm(act, down_proj.transpose(1, 2), rows.groups)
@@ -590,7 +595,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, dow
         del d_h
         return _fold_saved(d_x, rows.row, num_tokens, top_k, saved_up), d_weights, d_gate_up, d_down
     w_rows = rows.gather(topk_weights.reshape(-1), rows.pair)
-    x = rows.gather(hidden).to(gate_up_proj.dtype)
+    x = rows.gather(hidden, dtype=gate_up_proj.dtype)
     product_dtype = torch.promote_types(down_proj.dtype, topk_weights.dtype)
     g = grad_out.to(product_dtype)  # d(weighted pair): the fold sums the pairs of a token
     d_y = (rows.gather(g) * w_rows.unsqueeze(-1)).to(down_proj.dtype)

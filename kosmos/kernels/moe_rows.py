@@ -166,6 +166,7 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, dtype: Optional[torch.dt
     out = torch.empty(index.shape[0], *src.shape[1:], dtype=dtype or src.dtype, device=src.device)
     C = src[0].numel() if src.shape[0] else out[0].numel() if out.shape[0] else 0
     if out.numel():
-        grid = (triton.cdiv(index.shape[0], 16), triton.cdiv(C, 512))
-        _gather_rows_kernel[grid](src, index, out, index.shape[0], src.shape[0], C, BR=16, BC=512, num_warps=4)
+        # 64 x 256: the fastest of seven tiles on an H200 (benchmarks/RESULTS.md, fifteenth session)
+        grid = (triton.cdiv(index.shape[0], 64), triton.cdiv(C, 256))
+        _gather_rows_kernel[grid](src, index, out, index.shape[0], src.shape[0], C, BR=64, BC=256, num_warps=4)
     return out

@@ -79,7 +79,9 @@ torch._grouped_mm where it has a kernel for the operands (CUDA bf16 on sm90/sm10
 group offsets found on the device, so no host sync and a fixed number of launches whatever E; elsewhere (CUDA
 fp16/fp32, other GPUs, strides not 16-byte aligned, operands that torch.autograd records) a loop over the experts,
 one host sync per call for the counts. Without EP each expert's rows are led by a zero pad row (`_SortedPairs`):
-no expert's group is empty and sentinel pairs read exact zeros, so no output needs masking.
+no expert's group is empty and sentinel pairs read exact zeros, so no output needs masking. On CUDA the rows'
+gathers (and the backward's SwiGLU rows and folds) run registered Triton row kernels (kosmos.kernels.moe_rows):
+the same bits in fewer passes.
 
 Expert parallelism (EP): with `ep_group_name` (a process group of `ep_world_size` ranks) the expert weights are
 this rank's contiguous slice: gate_up_proj [E_loc, 2I, H], down_proj [E_loc, H, I], rank r owning the global

@@ -16,6 +16,7 @@ runs in fp32 and is rounded once at the end (eager rounds after every op: differ
 rounding level)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -164,7 +165,7 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, dtype: Optional[torch.dt
     if not (src.is_cuda and src.is_contiguous() and index.is_cuda and index.dim() == 1):
         raise ValueError("kosmos moe_rows.gather_rows: a contiguous CUDA source and a 1-d CUDA index expected")
     out = torch.empty(index.shape[0], *src.shape[1:], dtype=dtype or src.dtype, device=src.device)
-    C = src[0].numel() if src.shape[0] else out[0].numel() if out.shape[0] else 0
+    C = math.prod(src.shape[1:])  # elements per row
     if out.numel():
         # 64 x 256: the fastest of seven tiles on an H200 (benchmarks/RESULTS.md, fifteenth session)
         grid = (triton.cdiv(index.shape[0], 64), triton.cdiv(C, 256))

@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--variants", default="default", help="';'-separated: 'default' or field=value,...")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--tag", default="", help="a label for the printed lines")
+    p.add_argument("--save-up", action="store_true", help="the training forward: with the saved up rows")
     args = p.parse_args()
     (hidden, rw, rb, corr, gu, down, k), kw = layer_inputs(args.layer, args.T)
     base = moe.forward_configs(hidden, gu)[0]
@@ -36,13 +37,16 @@ def main() -> None:
     fns = {}
     for v in variants:
         cfg = config_variant(base, v)
-        fns[v] = lambda cfg=cfg: moe.moe_forward(hidden, rw, rb, corr, gu, down, k, **kw, config=cfg)
+        fns[v] = lambda cfg=cfg: moe.moe_forward(hidden, rw, rb, corr, gu, down, k, **kw, config=cfg,
+                                                 save_up=args.save_up)
         fns[v]()  # compile
     torch.cuda.synchronize()
     heat(fns[variants[0]], 2.0)
     for r in range(args.rounds):
         for v in variants:
-            print(f"AB {args.tag} {args.layer} round {r} {v}: {bench_calls(fns[v], 200, 600, 20):.3f} ms", flush=True)
+            up = " save_up" if args.save_up else ""
+            print(f"AB {args.tag} {args.layer}{up} round {r} {v}: {bench_calls(fns[v], 200, 600, 20):.3f} ms",
+                  flush=True)
 
 
 if __name__ == "__main__":

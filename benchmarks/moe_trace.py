@@ -112,7 +112,8 @@ def main(argv=None) -> int:
         T, H = hidden.shape
         E, two_i, _ = gu.shape
         cfg = moe.forward_configs(hidden, gu)[0]
-        cfg = config_variant(cfg, variant)
+        cfg = moe.resolve_router_gemm(config_variant(cfg, variant), kw.get("router_dtype") or hidden.dtype,
+                                      hidden.dtype)
         kinds_of = task_kinds(T, H, two_i // 2, E, k, cfg)
         trace = torch.zeros(len(kinds_of), 4, dtype=torch.int64, device="cuda")
 

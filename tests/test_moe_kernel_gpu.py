@@ -81,18 +81,23 @@ def test_deepseek_v3_router(dtype):
                   router_dtype=torch.float32)
 
 
-def test_fp32_router_on_bf16_hidden_is_fp32_accurate():
-    """DeepSeek-V3's fp32 router on bf16 hidden states runs tf32x3 (router_precision): its logits are as close to
-    the fp64 product as cuBLAS's exact fp32 GEMM's (torch.backends.cuda.matmul.allow_tf32 off)."""
-    from kosmos.kernels.moe import moe_forward
+@pytest.mark.parametrize("router_gemm", [1, 0], ids=["rgemm_bf16x3", "route_tiles_tf32x3"])
+def test_fp32_router_on_bf16_hidden_is_fp32_accurate(router_gemm):
+    """DeepSeek-V3's fp32 router on bf16 hidden states (router_precision "tf32x3"; by default RGEMM tasks of three
+    bf16 dots of the pre-split weight, MoeConfig.router_gemm; else two TF32 dots in the ROUTE tiles): its logits are
+    as close to the fp64 product as cuBLAS's exact fp32 GEMM's (torch.backends.cuda.matmul.allow_tf32 off)."""
+    import dataclasses
+
+    from kosmos.kernels.moe import forward_configs, moe_forward
     from kosmos.kernels.moe_ops import router_precision
 
     assert not torch.backends.cuda.matmul.allow_tf32
     assert router_precision(torch.float32, torch.bfloat16) == "tf32x3"
     h, _, gu, d = make(256, 7168, 64, 256, torch.bfloat16, seed=12)
     rw = torch.randn(256, 7168, device="cuda", generator=torch.Generator(device="cuda").manual_seed(13)) / 7168 ** 0.5
+    cfg = dataclasses.replace(forward_configs(h, gu)[-1], router_gemm=router_gemm)
     _, logits, _ = moe_forward(h, rw, None, None, gu, d, 8, "sigmoid", True, 8, 4, routed_scaling_factor=2.5,
-                               router_dtype=torch.float32, return_router_logits=True)
+                               router_dtype=torch.float32, return_router_logits=True, config=cfg)
     exact = h.double() @ rw.double().T
     cublas = h.float() @ rw.T
     err_kernel, err_cublas = rel_err(logits, exact), rel_err(cublas, exact)
@@ -100,9 +105,9 @@ def test_fp32_router_on_bf16_hidden_is_fp32_accurate():
 
 
 def test_deepseek_v3_router_256_experts():
-    """DeepSeek-V3's router at its 256 experts (32-token ROUTE tiles, the fp32 weight split into two TF32 dots),
-    ragged T: against the reference, bit-identical on another grid size, and the same outputs when the logits are
-    not returned."""
+    """DeepSeek-V3's router at its 256 experts (RGEMM tasks of 128 tokens x 128 experts on the weight split into
+    three bf16 parts, then 32-token ROUTE tiles selecting), ragged T: against the reference, bit-identical on another
+    grid size, and the same outputs when the logits are not returned."""
     from kosmos.kernels.moe import moe_forward
 
     h, rw, gu, d = make(1000, 512, 64, 256, torch.bfloat16, seed=14)
@@ -116,6 +121,28 @@ def test_deepseek_v3_router_256_experts():
                                            routed_scaling_factor=2.5, router_dtype=torch.float32, return_routing=True)
     assert logits.shape[0] == 0
     assert all(torch.equal(a, b) for a, b in zip((out, tpe, ids, w), (first[0],) + first[2:]))
+
+
+def test_router_gemm_without_tma_same_bits():
+    """DeepSeek-V3's router as RGEMM tasks on hidden states whose row stride TMA cannot take (16-byte multiples):
+    the pointer-load RGEMM, the same bits as through TMA; and both close to the ROUTE tiles' TF32 split."""
+    import dataclasses
+
+    from kosmos.kernels.moe import forward_configs, moe_forward
+
+    h, rw, gu, d = make(1000, 512, 64, 256, torch.bfloat16, seed=15)
+    rw = rw.float()
+    wide = torch.zeros(1000, 516, dtype=h.dtype, device=h.device)
+    wide[:, :512] = h
+    h_odd = wide[:, :512]  # row stride 516 elements = 1032 bytes
+    corr = torch.linspace(-0.05, 0.05, 256, device="cuda")
+    args = (rw, None, corr, gu, d, 8, "sigmoid", True, 8, 4)
+    kw = dict(routed_scaling_factor=2.5, router_dtype=torch.float32, return_router_logits=True, return_routing=True)
+    tma = moe_forward(h, *args, **kw)
+    pointers = moe_forward(h_odd, *args, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(tma, pointers))
+    tiles = moe_forward(h, *args, **kw, config=dataclasses.replace(forward_configs(h, gu)[0], router_gemm=0))
+    assert rel_err(tiles[1], tma[1]) < 1e-6
 
 
 def test_sigmoid_bf16_router_no_renorm():

@@ -24,7 +24,8 @@ CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renor
          "counters_zeroed_and_error_word", "deepseek_v3_router_fp32", "sigmoid_fp16_plain",
          "softmax_grouped_corrected_fp16", "saved_up_fp16_ragged_two_i_chunks", "saved_up_empty_experts",
          "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token", "trace_rows",
-         "exception_midway_leaves_counters_zeroed", "fold_groups_same_bits", "task_kind_matches_layout"]
+         "exception_midway_leaves_counters_zeroed", "fold_groups_same_bits", "task_kind_matches_layout",
+         "router_gemm_deepseek_fp16", "router_gemm_fp32_bias_ragged_experts"]
 
 
 # ----------------------------------------------------------------------------------------------- cases (subprocess)
@@ -71,7 +72,7 @@ def _same_bits(torch, a, b):
 
 def _check(torch, h, rw, gu, d, top_k, *, tol, router_bias=None, norm=True, rsf=1.0, router_dtype=None,
            programs=(1, 3), scoring="softmax", correction=None, n_group=1, topk_group=1, save_up=False,
-           up_tol=None):
+           up_tol=None, config=None):
     """Runs the kernel (logits returned) with each grid size; checks routing, logits, counts and output against the
     reference, bit-identical results across runs; with save_up also saved_up (_check_saved_up: up_tol None means
     exact) and that a run without it gives the same bits; returns a summary."""
@@ -82,7 +83,8 @@ def _check(torch, h, rw, gu, d, top_k, *, tol, router_bias=None, norm=True, rsf=
     logits, ids, w = route(h, rw, router_bias, correction, top_k, scoring, norm, n_group, topk_group, rsf, router_dtype)
     ref, counts = experts(h, ids, w, gu, d)
     args = (h, rw, router_bias, correction, gu, d, top_k, scoring, norm, n_group, topk_group)
-    kwargs = dict(routed_scaling_factor=rsf, router_dtype=router_dtype, return_router_logits=True, return_routing=True)
+    kwargs = dict(routed_scaling_factor=rsf, router_dtype=router_dtype, return_router_logits=True, return_routing=True,
+                  config=config)
     runs = []
     for p in programs:
         with _NanWorkspaces(torch):
@@ -227,6 +229,42 @@ def case_deepseek_v3_router_fp32(torch):
     corr = torch.linspace(-0.05, 0.05, 16)
     return _check(torch, h, rw, gu, d, 3, tol=2e-3, scoring="sigmoid", correction=corr, n_group=4, topk_group=2,
                   rsf=2.5, router_dtype=torch.float32)
+
+
+def _router_gemm_config():
+    import dataclasses
+
+    from kosmos.kernels import moe
+
+    return dataclasses.replace(moe.CONFIGS["interpret"], router_gemm=1)
+
+
+def case_router_gemm_deepseek_fp16(torch):
+    # the router GEMM as RGEMM tasks (16 x 16 blocks: 2 token blocks, the second ragged), ROUTE selecting from the
+    # stored logits: DeepSeek-V3's router on fp16 hidden states (in-loop TF32 split); the same bits as in the ROUTE
+    # tiles (a router's logits do not depend on the tile that computes them)
+    from kosmos.kernels.moe import moe_forward
+
+    h, rw, gu, d = _inputs(torch, 22, 32, 16, 16, torch.float16, 10)
+    corr = torch.linspace(-0.05, 0.05, 16)
+    router = dict(scoring="sigmoid", correction=corr, n_group=4, topk_group=2, rsf=2.5, router_dtype=torch.float32)
+    res = _check(torch, h, rw, gu, d, 3, tol=2e-3, **router, config=_router_gemm_config())
+    args = (h, rw, None, corr, gu, d, 3, "sigmoid", True, 4, 2)
+    kw = dict(routed_scaling_factor=2.5, router_dtype=torch.float32, return_router_logits=True, return_routing=True)
+    tiles = moe_forward(*args, **kw)
+    for returned in (True, False):
+        gemm = moe_forward(*args, **dict(kw, return_router_logits=returned), config=_router_gemm_config())
+        for i, (a, b) in enumerate(zip(tiles, gemm)):
+            if i != 1 or returned:  # (logits not returned: [0, E])
+                assert _same_bits(torch, a, b), f"output {i}: RGEMM and ROUTE tiles differ"
+    return res
+
+
+def case_router_gemm_fp32_bias_ragged_experts(torch):
+    # 40 experts in RGEMM blocks of 16 (the last ragged), a router bias, fp32, top-2 of a softmax
+    h, rw, gu, d = _inputs(torch, 19, 32, 16, 40, torch.float32, 13)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(6)) * 0.3
+    return _check(torch, h, rw, gu, d, 2, tol=1e-5, router_bias=bias, config=_router_gemm_config())
 
 
 def case_sigmoid_fp16_plain(torch):
@@ -446,8 +484,9 @@ def test_default_fp32_router_rule(monkeypatch):
 
 
 def test_fused_run_reports_the_router_precision(monkeypatch):
-    """A fused run's report line says when the router GEMM ran 3xTF32 (dispatch's detail hook; a stand-in op, so no
-    GPU is needed), and says nothing more for a 16-bit router."""
+    """A fused run's report line says how an fp32 router GEMM ran (dispatch's detail hook; a stand-in op, so no GPU
+    is needed): three bf16 dots of the split weight on bf16 hidden states, 3xTF32 on fp16 ones; nothing more for a
+    16-bit router."""
     import kosmos
     from kosmos.kernels import moe_ops
     from kosmos.ops import dispatch
@@ -461,11 +500,47 @@ def test_fused_run_reports_the_router_precision(monkeypatch):
         torch.backends.cuda.matmul.allow_tf32 = False
         assert dispatch.try_fused("moe_note_probe", torch.device("cuda"), *args, torch.float32) == (True, "ran")
         assert dispatch.try_fused("moe_note_probe", torch.device("cuda"), *args, None) == (True, "ran")
+        h16 = (h.half(),) + args[1:]
+        assert dispatch.try_fused("moe_note_probe", torch.device("cuda"), *h16, torch.float32) == (True, "ran")
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     runs = [r for r in kosmos.report().runtime if r[0] == "moe_note_probe"]
-    assert runs == [("moe_note_probe", "fused", "supported; router GEMM in 3xTF32 (fp32 router on 16-bit hidden "
-                     "states, allow_tf32 off: fp32-accurate)"), ("moe_note_probe", "fused", "supported")], runs
+    assert runs == [("moe_note_probe", "fused", "supported; router GEMM as three bf16 dots of the fp32 weight split "
+                     "in bf16 parts (fp32 router on bf16 hidden states, allow_tf32 off: fp32-accurate)"),
+                    ("moe_note_probe", "fused", "supported"),
+                    ("moe_note_probe", "fused", "supported; router GEMM in 3xTF32 (fp32 router on 16-bit hidden "
+                     "states, allow_tf32 off: fp32-accurate)")], runs
+
+
+def test_split_router_weight_is_as_fine_as_fp32():
+    """moe.split_router_weight: three bf16 parts whose sum is within 2**-24 of every weight (fp32's own rounding),
+    over magnitudes far apart and exact zeros; bf16 hidden values times the parts then sum to x @ w^T as an fp32
+    GEMM rounds it (here in fp64: the kernel's products are exact in fp32)."""
+    from kosmos.kernels.moe import split_router_weight
+    from kosmos.kernels.moe_ops import router_split
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 512, generator=g) / 512 ** 0.5
+    w[0, :4] = torch.tensor([0.0, 1e-30, -3e30, 1.0 + 2.0 ** -23])
+    parts = split_router_weight(w)
+    assert parts.dtype == torch.bfloat16 and tuple(parts.shape) == (3, 64, 512)
+    w64 = w.double()
+    total = parts.double().sum(0)
+    assert ((total - w64).abs() <= 2.0 ** -24 * w64.abs()).all()
+    x = torch.randn(32, 512, generator=g).to(torch.bfloat16).double()
+    exact = x @ w64.T
+    split = sum(x @ p.T for p in parts.double())
+    assert (split - exact).norm() / exact.norm() < 2.0 ** -23
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert router_split(torch.float32, torch.bfloat16)
+        assert not router_split(torch.float32, torch.float16)  # an fp16 value is not exact in bf16
+        assert not router_split(torch.bfloat16, torch.bfloat16)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert not router_split(torch.float32, torch.bfloat16)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def test_router_precision_follows_allow_tf32():

@@ -102,21 +102,26 @@ def test_gemm_rs(pairs):
     assert rep["spill_stores"] == 0, rep["text"]
 
 
-def _compile_moe_forward(cfg, consts: dict, router: str):
+def _compile_moe_forward(cfg, consts: dict, router: str, router_weight: str = None):
     """moe_forward_kernel for sm_90 with saved_up, as its launcher builds it: bf16 expert weights and hidden states,
-    the router weight, biases and logits of dtype `router`."""
+    the biases and logits of dtype `router`, the router weight of `router_weight` (default `router`); RGEMM tasks
+    through TMA for the "bf16x3" router."""
+    rgemm_tma = cfg.router_gemm == 1 and consts["ROUTER_PRECISION"] == "bf16x3"
     from kosmos.kernels import moe
 
     return compile_sm90(moe.moe_forward_kernel,
                         dict(**consts, RET_LOGITS=False, BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
                              BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=True, USE_ASM=True,
-                             FOLD_GROUPS=cfg.fold_groups, TRACE=False),
-                        dict(ctrl="i32", hidden=BF, rw=router, rb=router, cb=router, logits=router, ids_ptr="i32",
+                             FOLD_GROUPS=cfg.fold_groups, ROUTER_GEMM=cfg.router_gemm == 1, RGEMM_TMA=rgemm_tma,
+                             RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, TRACE=False),
+                        dict(ctrl="i32", hidden=BF, rw=router_weight or router, rb=router, cb=router, logits=router, ids_ptr="i32",
                              w_ptr="fp32", rank_ptr="i32", counts="i32", meta="i32", tpe="i32", x_sorted=BF, act=BF,
                              saved_up=BF, y=BF, out=BF, trace="i64"),
                         dict(x_desc=(torch.bfloat16, (cfg.bm, cfg.bk)), gu_desc=(torch.bfloat16, (cfg.bi, cfg.bk)),
                              down_desc=(torch.bfloat16, (cfg.bn, cfg.bk2)),
-                             act_desc=(torch.bfloat16, (cfg.bm, cfg.bk2))),
+                             act_desc=(torch.bfloat16, (cfg.bm, cfg.bk2)),
+                             xr_desc=(torch.bfloat16, (cfg.rbm, cfg.bkg) if rgemm_tma else (cfg.bm, cfg.bk)),
+                             wr_desc=(torch.bfloat16, (cfg.rbn, cfg.bkg) if rgemm_tma else (cfg.bm, cfg.bk))),
                         int64=("err_host", "timeout_ns"), floats=("rsf", "eps"),
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -137,8 +142,9 @@ def test_moe_forward(fold_groups):
 
 
 def test_moe_forward_deepseek_router():
-    """The MoE forward as DeepSeek-V3's layer runs it (256 experts in 32-token ROUTE tiles; fp32 router on bf16
-    hidden states: the weight split into two TF32 dots per K block): no wgmma serialization."""
+    """The MoE forward with DeepSeek-V3's router (256 experts in 32-token ROUTE tiles; fp32 router on 16-bit
+    hidden states: the weight split into two TF32 dots per K block, as on fp16 hidden states and under EP): no wgmma
+    serialization."""
     import dataclasses
 
     from kosmos.kernels import moe
@@ -148,3 +154,19 @@ def test_moe_forward_deepseek_router():
                                     torch.bfloat16, torch.bfloat16, torch.bfloat16)
     assert consts["ROUTER_PRECISION"] == "tf32x3"
     _report(_compile_moe_forward(cfg, consts, "fp32"))
+
+
+def test_moe_forward_deepseek_router_gemm():
+    """The same as its launcher runs it on bf16 hidden states (MoeConfig.router_gemm): RGEMM tasks of 128 tokens x
+    128 experts over the weight pre-split into three bf16 parts (TMA), ROUTE tiles selecting from the stored
+    logits: no wgmma serialization. (ptxas, triton 3.6.0: 4580 bytes of spill stores, 3116 with the ROUTE tiles'
+    in-loop TF32 split, 5784 in the Qwen3 build above.)"""
+    import dataclasses
+
+    from kosmos.kernels import moe
+
+    cfg = dataclasses.replace(moe.CONFIGS["default"], bt=32, fold_groups=2, router_gemm=1, **moe.WIDE_FORWARD)
+    consts = moe.routing_constexprs("sigmoid", True, 8, 4, 2.5, torch.float32, None, torch.zeros(1), 8, 256,
+                                    torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    consts["ROUTER_PRECISION"] = "bf16x3"
+    _report(_compile_moe_forward(cfg, consts, "fp32", router_weight=BF))

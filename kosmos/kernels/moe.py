@@ -9,15 +9,15 @@ Task stream (programs claim task indices from ONE atomic counter in device memor
 arithmetic on its index; every producer precedes its consumers, so a wait is always on a task some running
 program has already claimed):
 
-    [ROUTE x n_tiles] [SCAN] [SCATTER x n_tiles] [UP x max_blocks*n_iblk] [DOWN/FOLD of G column groups]
+    ([RGEMM x n_rg]) [ROUTE x n_tiles] [SCAN] [SCATTER x n_tiles] [UP x max_blocks*n_iblk] [DOWN/FOLD of G groups]
 
     DOWN/FOLD (TaskLayout; G = MoeConfig.fold_groups): the H columns split into G groups of hb_per
     column chunks of BN; group g's DOWN tasks (max_blocks*hb_per) and FOLD tasks (n_tiles) are laid out as
     [D0] [D1] [F0] [D2] [F1] ... [D(G-1)] [F(G-2)] [F(G-1)]: the fold of group g is claimed while group g+1's
     DOWN tiles run, so its memory traffic overlaps tensor-core work (with G = 1: [D0] [F0]).
 
-Each kind waits for EVERY task of the kind before it (one phase counter per kind: routed, scanned, scattered, upped;
-downed per column group, and FOLD of group g waits for group g's DOWN tasks only). A program checks a phase counter
+Each kind waits for EVERY task of the kind before it (one phase counter per kind: rgemmed, routed, scanned,
+scattered, upped; downed per column group, and FOLD of group g waits for group g's DOWN tasks only). A program checks a phase counter
 once, before its first task of the next kind (its later tasks of that kind skip the wait), and adds its finished
 tasks to a counter in one release add when it claims a task of another kind or runs out of tasks (so it never waits
 holding unpublished work). Measured on the H200 (benchmarks/moe_trace.py, RESULTS.md eighth session): with a wait
@@ -25,6 +25,10 @@ and a release per task (DOWN waited for its block's UP tiles only), the waits to
 DOWN phases (about 1.5 us a task), more than the phase barrier costs at the UP -> DOWN transition (SMs done early
 idle for part of an UP tile).
 
+- RGEMM(block of RBM tokens x RBN experts; MoeConfig.router_gemm, by default where the router is an fp32 GEMM on bf16
+  hidden states: DeepSeek-V3's): the router logits of the block into the logits buffer (moe_route.router_gemm_tile:
+  three bf16 dots per K block of the weight pre-split into bf16 parts, split_router_weight, through TMA). ROUTE
+  then waits for every RGEMM task and selects from the stored logits instead of running the router GEMM itself.
 - ROUTE(tile of BT tokens): router GEMM (moe_route.router_logits: tl.dot over H, logits rounded to router_dtype, +
   router_bias; an fp32 router on 16-bit hidden states as two TF32 dots of the weight's split), softmax
   in fp32 or sigmoid, selection values (+ correction bias, group mask), top-k by repeated max (lowest expert id
@@ -81,7 +85,8 @@ the next call (at once with KOSMOS_DEBUG_SYNC=1), and the control tensor is then
 Module layout: routing pieces (ROUTE, SCAN, pair rows) in kosmos.kernels.moe_route; the gate (why_not / run /
 register; env KOSMOS_FUSED_MOE picks the fused directions) in kosmos.kernels.moe_ops.
 
-Workspaces per call (torch allocator, so a captured graph gets fixed addresses): ids / weights / ranks [T, k],
+Workspaces per call (torch allocator, so a captured graph gets fixed addresses): with RGEMM tasks the logits [T, E]
+(when they are not returned) and the router weight's bf16 parts [3, E, H]; ids / weights / ranks [T, k],
 counts [n_tiles, E], meta [3E], x_sorted [T*k, H] in gate_up_proj's dtype (the gathered token rows: what HF's
 grouped_mm path materialises too; 1 GiB at T=16384, k=8, H=4096 in bf16), act [T*k, I] and y [T*k, H] in
 down_proj's dtype. With save_up the output saved_up [T*k + E, 2I] in gate_up_proj's dtype (moe_forward).
@@ -99,7 +104,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kosmos.kernels import moe_ops, runtime
 from kosmos.kernels.gemm import gemm_tile, input_precision
-from kosmos.kernels.moe_route import pair_rows, pick, route_tile, scan_counts
+from kosmos.kernels.moe_route import (pair_rows, pick, route_tile, router_gemm_tile, router_gemm_tile_tma,
+                                      scan_counts, select_stored_tile)
 from kosmos.kernels.signals import ERR_TIMEOUT, now_ns, proxy_fence, wait_flag
 
 OP_ID = tl.constexpr(3)  # runtime.OP_IDS gets "moe_layer": 3
@@ -110,6 +116,7 @@ C_DONE = tl.constexpr(1)
 C_ROUTED = tl.constexpr(2)
 C_SCANNED = tl.constexpr(3)
 C_SCATTERED = tl.constexpr(4)
+C_RGEMMED = tl.constexpr(5)
 C_UPPED = tl.constexpr(6)
 C_ERR = tl.constexpr(8)  # code, op, task
 CTRL_HEAD = 16
@@ -157,9 +164,11 @@ def _task_kind(t, scan_task, scatter0, up0, down0, n_down, n_tiles, G: tl.conste
 
 @triton.jit
 def _phase_counter(kind, grp):
-    """The control word counting finished tasks of `kind` (ROUTE .. DOWN) and column group (DOWN); -1 for FOLD."""
+    """The control word counting finished tasks of `kind` (ROUTE .. DOWN, RGEMM) and column group (DOWN); -1 for
+    FOLD."""
     return tl.where(kind == 0, C_ROUTED, tl.where(kind == 1, C_SCANNED, tl.where(
-        kind == 2, C_SCATTERED, tl.where(kind == 3, C_UPPED, tl.where(kind == 4, C_DOWNED0 + grp, -1)))))
+        kind == 2, C_SCATTERED, tl.where(kind == 3, C_UPPED, tl.where(kind == 4, C_DOWNED0 + grp,
+                                                                       tl.where(kind == 6, C_RGEMMED, -1))))))
 
 
 @triton.jit
@@ -315,7 +324,7 @@ def _fold_tile(tile, col0, col_end, ids_ptr, rank_ptr, w_ptr, base, y, out, o_ld
 
 @triton.jit(do_not_specialize=["T", "n_tiles", "max_blocks", "err_host", "timeout_ns"])
 def moe_forward_kernel(ctrl, err_host, timeout_ns,
-                       hidden, h_ld, rw, rw_ld, rb, cb, x_desc, gu_desc, down_desc, act_desc,
+                       hidden, h_ld, rw, rw_ld, rb, cb, x_desc, gu_desc, down_desc, act_desc, xr_desc, wr_desc,
                        logits, ids_ptr, w_ptr, rank_ptr, counts, meta, tpe, x_sorted, act, saved_up, y, out, o_ld,
                        trace, T, H, I, E, rsf, eps, n_tiles, max_blocks, hb_per,
                        SIGMOID: tl.constexpr, HAS_CB: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
@@ -326,7 +335,8 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        BN: tl.constexpr, BK2: tl.constexpr, BH: tl.constexpr, SCAN_T: tl.constexpr,
                        PD_F32: tl.constexpr, ROUTER_PRECISION: tl.constexpr, UP_PRECISION: tl.constexpr,
                        DOWN_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, USE_ASM: tl.constexpr,
-                       FOLD_GROUPS: tl.constexpr, TRACE: tl.constexpr = False):
+                       FOLD_GROUPS: tl.constexpr, ROUTER_GEMM: tl.constexpr, RGEMM_TMA: tl.constexpr,
+                       RBM: tl.constexpr, RBN: tl.constexpr, BKG: tl.constexpr, TRACE: tl.constexpr = False):
     err_host = err_host.to(tl.pointer_type(tl.int32))  # host-mapped (pinned) mirror
     err = ctrl + C_ERR
     n_iblk = tl.cdiv(I, BI)
@@ -335,15 +345,22 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
     up0 = scatter0 + n_tiles
     down0 = up0 + max_blocks * n_iblk
     n_down = max_blocks * hb_per  # DOWN tasks of one column group
-    n_tasks = down0 + FOLD_GROUPS * (n_down + n_tiles)
+    n_rg = 0  # RGEMM tasks ahead of the rest (TaskLayout.n_rgemm)
+    if ROUTER_GEMM:
+        n_rg = tl.cdiv(T, RBM) * tl.cdiv(E, RBN)
+    n_tasks = n_rg + down0 + FOLD_GROUPS * (n_down + n_tiles)
     status = 0
     pend = 0  # this program's finished tasks not yet added to their counter, pend_word
     pend_word = -1
     ready = 0  # the last kind (ROUTE .. DOWN) whose inputs this program has seen complete (a wait per phase)
     folds_ready = 0  # column groups whose DOWN tasks this program has seen complete
+    logits_ready = 0  # the RGEMM tasks seen complete (ROUTE waits for them with ROUTER_GEMM)
     t = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
     while (t < n_tasks) & (status == 0):
-        kind, grp, idx = _task_kind(t, scan_task, scatter0, up0, down0, n_down, n_tiles, FOLD_GROUPS)
+        u = t - n_rg
+        kind, grp, idx = _task_kind(tl.maximum(u, 0), scan_task, scatter0, up0, down0, n_down, n_tiles, FOLD_GROUPS)
+        kind = tl.where(u < 0, 6, kind)
+        idx = tl.where(u < 0, t, idx)
         word = _phase_counter(kind, grp)
         if (pend > 0) & (word != pend_word):
             _publish(ctrl + pend_word, pend, USE_ASM)
@@ -354,6 +371,12 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
             if grp >= folds_ready:
                 status = wait_flag(ctrl + C_DOWNED0 + grp, n_down, err, timeout_ns, "gpu", USE_ASM)
                 folds_ready = grp + 1
+        elif kind == 6:  # RGEMM: inputs only
+            pass
+        elif kind == 0:
+            if ROUTER_GEMM and logits_ready == 0:
+                status = wait_flag(ctrl + C_RGEMMED, n_rg, err, timeout_ns, "gpu", USE_ASM)
+                logits_ready = 1
         elif kind > ready:  # inputs: every task of the kind before (which waited for the kinds before it)
             status = wait_flag(ctrl + _phase_counter(kind - 1, 0), _phase_tasks(kind - 1, n_tiles, max_blocks * n_iblk),
                                err, timeout_ns, "gpu", USE_ASM)
@@ -361,10 +384,21 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
         if TRACE:
             t1 = now_ns(USE_ASM)
         if status == 0:
-            if kind == 0:  # ---- ROUTE
-                route_tile(t, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, H, E,
-                           rsf, eps, HAS_RB, RET_LOGITS, NORM, SCALED, SIGMOID, HAS_CB, N_GROUP, TOPK_GROUP, SD_ROUND,
-                           CD_ROUND, TOP_K, KP, BT, BLOCK_E, BKR, ROUTER_PRECISION)
+            if kind == 6:  # ---- RGEMM
+                if RGEMM_TMA:
+                    router_gemm_tile_tma(idx, xr_desc, wr_desc, rb, logits, T, H, E, HAS_RB, RBM, RBN, BKG)
+                else:
+                    router_gemm_tile(idx, hidden, h_ld, rw, rw_ld, rb, logits, T, H, E, HAS_RB, RBM, RBN, BKG,
+                                     ROUTER_PRECISION)
+            elif kind == 0:  # ---- ROUTE
+                if ROUTER_GEMM:
+                    select_stored_tile(idx, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, E, rsf, eps, NORM, SCALED,
+                                       SIGMOID, HAS_CB, N_GROUP, TOPK_GROUP, SD_ROUND, CD_ROUND, TOP_K, KP, BT,
+                                       BLOCK_E)
+                else:
+                    route_tile(idx, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, H,
+                               E, rsf, eps, HAS_RB, RET_LOGITS, NORM, SCALED, SIGMOID, HAS_CB, N_GROUP, TOPK_GROUP,
+                               SD_ROUND, CD_ROUND, TOP_K, KP, BT, BLOCK_E, BKR, ROUTER_PRECISION)
             elif kind == 1:  # ---- SCAN
                 scan_counts(counts, meta, tpe, n_tiles, E, BM, BLOCK_E, SCAN_T)
             elif kind == 2:  # ---- SCATTER
@@ -416,7 +450,10 @@ class MoeConfig:
     """Tiles: BT tokens per route / scatter / fold tile (BKR: router K block, BH: columns per step of the scatter's
     row copies and of the fold), BM sorted rows per expert block, BI columns of I per up tile (two accumulators,
     gate and up), BK its K block over H, BN columns of H per down tile, BK2 its K block over I. fold_groups: column
-    groups of the DOWN / FOLD tasks (TaskLayout), at most MAX_FOLD_GROUPS."""
+    groups of the DOWN / FOLD tasks (TaskLayout), at most MAX_FOLD_GROUPS. router_gemm: the router GEMM as RGEMM
+    tasks of RBM tokens x RBN experts (K block BKG) ahead of the ROUTE tasks, which then select from the stored
+    logits (1), or inside each ROUTE tile (0); -1: resolve_router_gemm's rule (on for an fp32 router on bf16 hidden
+    states, whose weight then goes in as three bf16 parts: split_router_weight)."""
     bt: int = 64
     bkr: int = 64
     bm: int = 128
@@ -429,6 +466,10 @@ class MoeConfig:
     num_warps: int = 8
     num_stages: int = 3
     fold_groups: int = 1
+    router_gemm: int = -1
+    rbm: int = 128
+    rbn: int = 128
+    bkg: int = 32
 
 
 # fp32 (4-byte elements) halves the K blocks; the interpreter wants tiny tiles (every op is numpy)
@@ -438,7 +479,7 @@ CONFIGS = {
     # exact fp32 (FMA, no tensor cores): small tiles, as the GEMM core's "fp32_ieee"
     "fp32_ieee": MoeConfig(bt=32, bkr=16, bm=64, bi=32, bk=16, bn=64, bk2=16, bh=64, num_warps=4),
     "interpret": MoeConfig(bt=16, bkr=16, bm=16, bi=16, bk=16, bn=32, bk2=16, bh=32, scan_t=16, num_warps=4,
-                           num_stages=1),
+                           num_stages=1, rbm=16, rbn=16, bkg=16),
 }
 
 
@@ -476,6 +517,28 @@ def forward_configs(hidden: torch.Tensor, gate_up_proj: torch.Tensor) -> list:
     return [dataclasses.replace(cfg, **WIDE_FORWARD), cfg]
 
 
+def resolve_router_gemm(cfg: MoeConfig, router_dtype: torch.dtype, hidden_dtype: torch.dtype) -> MoeConfig:
+    """cfg with router_gemm 0 or 1: -1 becomes 1 where the router is an fp32 GEMM on bf16 hidden states
+    (moe_ops.router_split: DeepSeek-V3's). Its ROUTE tiles of 32 tokens each read the whole fp32 weight (7.3 MB, 3.7
+    GB per call at T = 16384 from L2): 378 of the kernel's SM-ms on the H200 (eighth session); as three bf16 dots
+    in the same tiles (1.5x the bytes) the kernel ran 0.2-0.5 ms slower, as RGEMM tasks 1.1 ms faster (24.4-24.8 vs
+    25.5-25.9 ms, RESULTS.md sixteenth session)."""
+    if cfg.router_gemm >= 0:
+        return cfg
+    return dataclasses.replace(cfg, router_gemm=int(moe_ops.router_split(router_dtype, hidden_dtype)))
+
+
+def split_router_weight(w: torch.Tensor) -> torch.Tensor:
+    """fp32 [E, H] -> bf16 [3, E, H] parts p0 + p1 + p2 of w: each part the bf16 rounding of what the parts before
+    it leave, so |w - p0 - p1 - p2| <= 2**-24 |w| (each rounding keeps 8 more significant bits; bf16 has fp32's
+    exponent range). A bf16 value times a part is exact in fp32: the router's three bf16 dots sum to x @ w^T as
+    finely as an fp32 GEMM rounds it."""
+    p0 = w.to(torch.bfloat16)
+    rest = w - p0.float()
+    p1 = rest.to(torch.bfloat16)
+    return torch.stack([p0, p1, (rest - p1.float()).to(torch.bfloat16)])
+
+
 def max_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
     """Upper bound of sum_e ceil(count_e / bm) over every routing of num_pairs pairs onto num_experts experts."""
     return (num_pairs + min(num_experts, num_pairs) * (bm - 1)) // bm
@@ -483,14 +546,15 @@ def max_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class TaskLayout:
-    """The forward's task stream for one shape and config (the module docstring): first index of each of the
-    ROUTE, SCAN, SCATTER, UP, DOWN/FOLD parts, `groups` column groups of `hb_per` BN-column chunks of H, `n_down`
-    DOWN tasks per group."""
+    """The forward's task stream for one shape and config (the module docstring): `n_rgemm` RGEMM tasks first (0
+    without router_gemm), then, counted from their end, the first index of each of the ROUTE, SCAN, SCATTER, UP,
+    DOWN/FOLD parts, `groups` column groups of `hb_per` BN-column chunks of H, `n_down` DOWN tasks per group."""
     n_tiles: int
     max_blocks: int
     n_iblk: int
     groups: int
     hb_per: int
+    n_rgemm: int = 0
 
     @classmethod
     def of(cls, T: int, H: int, I: int, E: int, top_k: int, cfg: MoeConfig) -> "TaskLayout":
@@ -498,8 +562,9 @@ class TaskLayout:
             raise ValueError(f"kosmos moe_forward: fold_groups {cfg.fold_groups} not in 1..{MAX_FOLD_GROUPS.value}")
         n_hblk = triton.cdiv(H, cfg.bn)
         hb_per = triton.cdiv(n_hblk, min(cfg.fold_groups, n_hblk))
+        n_rgemm = triton.cdiv(T, cfg.rbm) * triton.cdiv(E, cfg.rbn) if cfg.router_gemm == 1 else 0
         return cls(triton.cdiv(T, cfg.bt), max_blocks(T * top_k, E, cfg.bm), triton.cdiv(I, cfg.bi),
-                   triton.cdiv(n_hblk, hb_per), hb_per)
+                   triton.cdiv(n_hblk, hb_per), hb_per, n_rgemm)
 
     @property
     def up0(self) -> int:
@@ -515,10 +580,14 @@ class TaskLayout:
 
     @property
     def num_tasks(self) -> int:
-        return self.down0 + self.groups * (self.n_down + self.n_tiles)
+        return self.n_rgemm + self.down0 + self.groups * (self.n_down + self.n_tiles)
 
     def kind_of(self, t: int) -> tuple:
-        """(kind 0..5 as KINDS, column group, index in the group's tasks of that kind): the kernel's _task_kind."""
+        """(kind 0..6 as KINDS, column group, index in the group's tasks of that kind): the kernel's _task_kind
+        after the RGEMM tasks."""
+        if t < self.n_rgemm:
+            return 6, 0, t
+        t -= self.n_rgemm
         if t < self.down0:
             if t < self.n_tiles:
                 return 0, 0, t
@@ -534,7 +603,7 @@ class TaskLayout:
         return (4, q + 1, rem) if rem < self.n_down else (5, q, rem - self.n_down)
 
 
-KINDS = ("ROUTE", "SCAN", "SCATTER", "UP", "DOWN", "FOLD")
+KINDS = ("ROUTE", "SCAN", "SCATTER", "UP", "DOWN", "FOLD", "RGEMM")
 
 
 def num_tasks(T: int, H: int, I: int, E: int, top_k: int, cfg: MoeConfig) -> int:
@@ -658,6 +727,7 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
     E, two_i, _ = gate_up_proj.shape
     I = two_i // 2
     rd = router_dtype or hidden.dtype
+    cfg = resolve_router_gemm(cfg, rd, hidden.dtype)
     layout = TaskLayout.of(T, H, I, E, top_k, cfg)
     n_tiles, mb, n_tasks = layout.n_tiles, layout.max_blocks, layout.num_tasks
     if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (n_tasks, 4)
@@ -669,7 +739,9 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
     pairs = T * top_k
     i32 = dict(dtype=torch.int32, device=device)
     logits = torch.empty(T if return_router_logits else 0, E, dtype=rd, device=device)
-    logits_arg = logits if return_router_logits else torch.empty(1, dtype=rd, device=device)
+    logits_arg = logits  # with router_gemm the RGEMM tasks store every call's logits (a workspace if not returned)
+    if not return_router_logits:
+        logits_arg = torch.empty((T, E) if cfg.router_gemm else (1,), dtype=rd, device=device)
     ids = torch.empty(T, top_k, **i32)
     ranks = torch.empty(T, top_k, **i32)
     wts = torch.empty(T, top_k, dtype=torch.float32, device=device)
@@ -691,20 +763,30 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
     interp = runtime.interpreting()
     P = programs or (1 if interp or device.type != "cuda" else runtime.num_sms(device))
     P = max(1, min(P, n_tasks))
+    consts = routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd, router_bias,
+                                score_correction_bias, top_k, E, gate_up_proj.dtype, down_proj.dtype, hidden.dtype)
+    rw_arg, xr_desc, wr_desc = router_weight, x_desc, x_desc  # (unused descriptors without RGEMM_TMA)
+    rgemm_tma = False
+    if cfg.router_gemm and moe_ops.router_split(rd, hidden.dtype) and router_weight.numel() < 2**31:
+        rw_arg = split_router_weight(router_weight)
+        consts["ROUTER_PRECISION"] = "bf16x3"
+        rgemm_tma = (hidden.stride(0) * hidden.element_size()) % 16 == 0 and hidden.data_ptr() % 16 == 0
+        if rgemm_tma:
+            xr_desc = TensorDescriptor(hidden, [T, H], [hidden.stride(0), 1], [cfg.rbm, cfg.bkg])
+            wr_desc = TensorDescriptor(rw_arg.view(3 * E, H), [3 * E, H], [H, 1], [cfg.rbn, cfg.bkg])
     args = (ctl.ctrl, ctl.err_host.data_ptr(), runtime.spin_timeout_ns(),
-            hidden, hidden.stride(0), router_weight, router_weight.stride(0),
+            hidden, hidden.stride(0), rw_arg, rw_arg.stride(-2),
             router_bias if router_bias is not None else router_weight,
             score_correction_bias if score_correction_bias is not None else router_weight, x_desc, gu_desc, down_desc,
-            act_desc, logits_arg, ids, wts, ranks, counts, meta, tpe, x_sorted, act, saved_up, y, out, out.stride(0),
+            act_desc, xr_desc, wr_desc, logits_arg, ids, wts, ranks, counts, meta, tpe, x_sorted, act, saved_up, y,
+            out, out.stride(0),
             trace if trace is not None else ids, T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles, mb,
             layout.hb_per)
-    meta_kw = dict(**routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd,
-                                        router_bias, score_correction_bias, top_k, E, gate_up_proj.dtype,
-                                        down_proj.dtype, hidden.dtype),
-                   RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
-                   BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=bool(save_up), USE_ASM=not interp,
-                   FOLD_GROUPS=layout.groups, TRACE=trace is not None, num_warps=cfg.num_warps,
-                   num_stages=cfg.num_stages)
+    meta_kw = dict(**consts, RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi,
+                   BK=cfg.bk, BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=bool(save_up),
+                   USE_ASM=not interp, FOLD_GROUPS=layout.groups, ROUTER_GEMM=bool(cfg.router_gemm),
+                   RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, TRACE=trace is not None,
+                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P,)
     runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,
                                                  tuple(sorted((k, str(v)) for k, v in meta_kw.items()))),

@@ -95,6 +95,13 @@ def router_precision(rd: torch.dtype, hidden_dtype: Optional[torch.dtype]) -> st
     return "tf32x3" if hidden_dtype in (torch.bfloat16, torch.float16) else "ieee"
 
 
+def router_split(rd: torch.dtype, hidden_dtype: torch.dtype) -> bool:
+    """Whether the fused forward without EP runs its "tf32x3" router (router_precision) as three bf16 dots of the
+    weight pre-split into bf16 parts (moe.split_router_weight), in RGEMM tasks (MoeConfig.router_gemm): bf16 hidden
+    states only (an fp16 value is not exact in bf16)."""
+    return hidden_dtype == torch.bfloat16 and router_precision(rd, hidden_dtype) == "tf32x3"
+
+
 def _router_note(hidden, router_dtype) -> Optional[str]:
     if router_precision(router_dtype or hidden.dtype, hidden.dtype) == "tf32x3":
         return "router GEMM in 3xTF32 (fp32 router on 16-bit hidden states, allow_tf32 off: fp32-accurate)"
@@ -103,6 +110,10 @@ def _router_note(hidden, router_dtype) -> Optional[str]:
 
 def _layer_note(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
                 norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None, *rest, **kw):
+    ep_group_name = rest[2] if len(rest) > 2 else kw.get("ep_group_name")
+    if ep_group_name is None and router_split(router_dtype or hidden.dtype, hidden.dtype):
+        return ("router GEMM as three bf16 dots of the fp32 weight split in bf16 parts (fp32 router on bf16 hidden "
+                "states, allow_tf32 off: fp32-accurate)")
     return _router_note(hidden, router_dtype)
 
 

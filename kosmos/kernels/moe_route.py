@@ -36,29 +36,41 @@ def _tf32_round(x):
 
 
 @triton.jit
-def router_logits(tile, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD: tl.constexpr, HAS_RB: tl.constexpr,
-                  BT: tl.constexpr, BLOCK_E: tl.constexpr, BKR: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
-    """Router logits of token tile `tile` as [BT, BLOCK_E] fp32 values of dtype RD (x @ W^T + bias, rounded to RD;
-    rows past T read zeros).
+def router_block(rows, cols_e, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD: tl.constexpr, HAS_RB: tl.constexpr,
+                 BT: tl.constexpr, BE: tl.constexpr, BKR: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
+    """Router logits of the token rows `rows` [BT] and experts `cols_e` [BE] as fp32 values of dtype RD (x @ W^T +
+    bias, rounded to RD; rows past T and experts past E read zeros).
 
     "tf32x3" on 16-bit hidden states (moe_ops.router_precision): the hidden value is exact in TF32, so of the three
     products of the 3xTF32 split only two are not zero: x @ hi(W) + x @ lo(W), with hi = W rounded to TF32 and lo =
-    the rest rounded to TF32 (|W - hi - lo| <= 2**-22 |W|): two tensor-core dots instead of tl.dot's three."""
-    rows = tile * BT + tl.arange(0, BT)
+    the rest rounded to TF32 (|W - hi - lo| <= 2**-22 |W|): two tensor-core dots instead of tl.dot's three.
+
+    "bf16x3" (bf16 hidden states, an fp32 router): rw is the weight pre-split into three bf16 parts [3, E, H]
+    (moe.split_router_weight: |W - p0 - p1 - p2| <= 2**-24 |W|, as fine as fp32's own rounding); the bf16 hidden
+    value times a bf16 part is exact in fp32, so x @ W^T is three bf16 dots, again summed per K block and added to
+    the fp32 accumulator: no TF32 conversion or split in the loop."""
     rmask = rows < T
     rows64 = rows.to(tl.int64)
-    cols_e = tl.arange(0, BLOCK_E)
     emask = cols_e < E
     SPLIT_W: tl.constexpr = ROUTER_PRECISION == "tf32x3"
+    PARTS3: tl.constexpr = ROUTER_PRECISION == "bf16x3"
     X16: tl.constexpr = hidden.dtype.element_ty != tl.float32
-    acc = tl.zeros((BT, BLOCK_E), dtype=tl.float32)
+    part_ld = rw_ld * E  # elements between the parts of a pre-split weight (PARTS3; E * H < 2**31, host-checked)
+    acc = tl.zeros((BT, BE), dtype=tl.float32)
     for k0 in range(0, H, BKR):
         ks = k0 + tl.arange(0, BKR)
         kmask = ks < H
         x = tl.load(hidden + rows64[:, None] * h_ld + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(rw + cols_e.to(tl.int64)[:, None] * rw_ld + ks[None, :], mask=emask[:, None] & kmask[None, :],
-                    other=0.0)
-        if SPLIT_W and X16:
+        w_offs = cols_e.to(tl.int64)[:, None] * rw_ld + ks[None, :]
+        wmask = emask[:, None] & kmask[None, :]
+        w = tl.load(rw + w_offs, mask=wmask, other=0.0)
+        if PARTS3:
+            w1 = tl.load(rw + part_ld + w_offs, mask=wmask, other=0.0)
+            w2 = tl.load(rw + 2 * part_ld + w_offs, mask=wmask, other=0.0)
+            part = tl.dot(x, tl.trans(w2))
+            part = tl.dot(x, tl.trans(w1), part)
+            acc += tl.dot(x, tl.trans(w), part)
+        elif SPLIT_W and X16:
             w32 = w.to(tl.float32)
             w_hi = _tf32_round(w32)
             w_lo = _tf32_round(w32 - w_hi)
@@ -73,6 +85,77 @@ def router_logits(tile, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD: tl.constexpr, 
     if HAS_RB:
         acc += tl.load(rb + cols_e, mask=emask, other=0.0).to(RD).to(tl.float32)[None, :]
     return acc.to(RD)
+
+
+@triton.jit
+def router_logits(tile, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD: tl.constexpr, HAS_RB: tl.constexpr,
+                  BT: tl.constexpr, BLOCK_E: tl.constexpr, BKR: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
+    """Router logits of token tile `tile`, all experts: router_block's [BT, BLOCK_E]."""
+    return router_block(tile * BT + tl.arange(0, BT), tl.arange(0, BLOCK_E), hidden, h_ld, rw, rw_ld, rb, T, H, E,
+                        RD, HAS_RB, BT, BLOCK_E, BKR, ROUTER_PRECISION)
+
+
+@triton.jit
+def router_gemm_tile(idx, hidden, h_ld, rw, rw_ld, rb, logits, T, H, E, HAS_RB: tl.constexpr, RBM: tl.constexpr,
+                     RBN: tl.constexpr, BKG: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
+    """RGEMM task `idx`: the router logits of RBM tokens x RBN experts into logits [T, E] (experts' blocks
+    innermost: the blocks of one token block run side by side and share its hidden rows in L2). A 32-token ROUTE
+    tile reads the whole router weight (7.3 MB at DeepSeek-V3's [256, 7168] fp32) for 32 tokens; a 128-token
+    block reads its experts' part once per 128."""
+    RD: tl.constexpr = logits.dtype.element_ty
+    n_rn = tl.cdiv(E, RBN)
+    rm = idx // n_rn
+    rows = rm * RBM + tl.arange(0, RBM)
+    cols_e = (idx - rm * n_rn) * RBN + tl.arange(0, RBN)
+    lg = router_block(rows, cols_e, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD, HAS_RB, RBM, RBN, BKG,
+                      ROUTER_PRECISION)
+    tl.store(logits + rows.to(tl.int64)[:, None] * E + cols_e[None, :], lg,
+             mask=(rows < T)[:, None] & (cols_e < E)[None, :])
+
+
+@triton.jit
+def router_gemm_tile_tma(idx, xr_desc, wr_desc, rb, logits, T, H, E, HAS_RB: tl.constexpr, RBM: tl.constexpr,
+                         RBN: tl.constexpr, BKG: tl.constexpr):
+    """router_gemm_tile for the "bf16x3" router through TMA: xr_desc over hidden [T, H] (block [RBM, BKG]), wr_desc
+    over the three bf16 parts [3E, H] (block [RBN, BKG]; a block past E reads the next part's rows or zeros, into
+    columns that are never stored). The K loop pipelines like the expert tiles'."""
+    RD: tl.constexpr = logits.dtype.element_ty
+    n_rn = tl.cdiv(E, RBN)
+    rm = idx // n_rn
+    row0 = rm * RBM
+    col0 = (idx - rm * n_rn) * RBN
+    acc = tl.zeros((RBM, RBN), dtype=tl.float32)
+    for k0 in range(0, H, BKG):
+        x = xr_desc.load([row0, k0])
+        w0 = wr_desc.load([col0, k0])
+        w1 = wr_desc.load([E + col0, k0])
+        w2 = wr_desc.load([2 * E + col0, k0])
+        part = tl.dot(x, w2.T)  # each K block's parts summed on the tensor cores, then added in fp32 (router_block)
+        part = tl.dot(x, w1.T, part)
+        acc += tl.dot(x, w0.T, part)
+    rows = row0 + tl.arange(0, RBM)
+    cols_e = col0 + tl.arange(0, RBN)
+    emask = cols_e < E
+    if HAS_RB:
+        acc += tl.load(rb + cols_e, mask=emask, other=0.0).to(RD).to(tl.float32)[None, :]
+    tl.store(logits + rows.to(tl.int64)[:, None] * E + cols_e[None, :], acc.to(RD),
+             mask=(rows < T)[:, None] & emask[None, :])
+
+
+@triton.jit
+def select_stored_tile(tile, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, E, rsf, eps,
+                       NORM: tl.constexpr, SCALED: tl.constexpr, SIGMOID: tl.constexpr, HAS_CB: tl.constexpr,
+                       N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SD_ROUND: tl.constexpr,
+                       CD_ROUND: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+                       BLOCK_E: tl.constexpr):
+    """ROUTE task of token tile `tile` when RGEMM tasks computed the logits: select_tile on the stored logits."""
+    RD: tl.constexpr = logits.dtype.element_ty
+    rows = tile * BT + tl.arange(0, BT)
+    cols_e = tl.arange(0, BLOCK_E)
+    lg = tl.load(logits + rows.to(tl.int64)[:, None] * E + cols_e[None, :],
+                 mask=(rows < T)[:, None] & (cols_e < E)[None, :], other=0.0, cache_modifier=".cg")
+    select_tile(tile, lg, cb, ids_ptr, w_ptr, rank_ptr, counts, T, E, rsf, eps, NORM, SCALED, SIGMOID, HAS_CB, N_GROUP,
+                TOPK_GROUP, SD_ROUND, CD_ROUND, TOP_K, KP, BT, BLOCK_E, RD)
 
 
 @triton.jit

@@ -66,6 +66,10 @@ def summarize(trace: torch.Tensor, kinds_of: torch.Tensor, programs: int, bins: 
     kinds = {}
     for i, name in enumerate(KINDS):
         sl = kinds_of == i
+        if not sl.any():  # a kind this launch does not have (RGEMM without router_gemm)
+            kinds[name] = dict(tasks=0, wait_sm_ms=0.0, work_sm_ms=0.0, mean_work_us=float("nan"),
+                               first_us=float("nan"), last_us=float("nan"))
+            continue
         wait = (waited[sl] - claim[sl]).clamp_min(0)
         work = (done[sl] - waited[sl]).clamp_min(0)
         kinds[name] = dict(tasks=int(sl.sum()), wait_sm_ms=float(wait.sum()) / 1e6,

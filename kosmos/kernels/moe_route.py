@@ -1,5 +1,6 @@
 """Routing pieces of the fused MoE forward (kosmos.kernels.moe): the ROUTE task's router GEMM + softmax + top-k of
-one token tile, the SCAN of the per-tile expert counts into fixed row bases, and the sorted row of each pair.
+one token tile (or, after RGEMM tasks computed a block of tokens x experts of the logits each, its top-k from the
+stored logits), the SCAN of the per-tile expert counts into fixed row bases, and the sorted row of each pair.
 
 Positions are deterministic: a ROUTE tile stores its per-expert pair counts (from the selection mask, in registers,
 plain stores) and each pair's rank among the tile's pairs of the same expert (token order); the scan turns the
@@ -167,8 +168,9 @@ def route_tile(tile, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, ra
                BKR: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
     """ROUTE task of token tile `tile`: router logits (stored with RET_LOGITS), then the selection (select_tile).
 
-    (Tried on the H200 for DeepSeek-V3's 256 experts: one router GEMM for 4 tiles at once, on wgmma; the kernel was
-    not faster. RESULTS.md, ninth session.)"""
+    (DeepSeek-V3's fp32 router runs in RGEMM tasks instead, router_gemm_tile_tma: 1.1 ms faster per call on the
+    H200, RESULTS.md sixteenth session. The ninth session's try, one router GEMM for 4 tiles inside a ROUTE task,
+    spilled in its K loop and was not faster.)"""
     RD: tl.constexpr = logits.dtype.element_ty
     lg = router_logits(tile, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD, HAS_RB, BT, BLOCK_E, BKR, ROUTER_PRECISION)
     if RET_LOGITS:

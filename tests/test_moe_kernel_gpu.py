@@ -239,6 +239,33 @@ def test_cuda_graph_replay_with_changing_inputs():
         assert rel_err(g_out, ref) <= 3e-2, step  # reference routing: a near-tie may flip a row
 
 
+def test_router_gemm_cuda_graph_replay_with_changing_weight():
+    """DeepSeek-V3's router as RGEMM tasks inside a captured graph: the weight's bf16 split is captured with the
+    launch, so replays follow in-place updates of the fp32 router weight (an optimizer step) and new hidden states."""
+    from kosmos.kernels.moe import moe_forward
+
+    T, H, I, E, k = 700, 256, 128, 64, 8
+    h, rw, gu, d = make(T, H, I, E, torch.bfloat16, seed=17)
+    rw = rw.float()
+    corr = torch.linspace(-0.05, 0.05, E, device="cuda")
+    args = (corr, gu, d, k, "sigmoid", True, 8, 4)
+    kw = dict(routed_scaling_factor=2.5, router_dtype=torch.float32, return_router_logits=True)
+    static_h = h.clone()
+    moe_forward(static_h, rw, None, *args, **kw)  # warm up: compile, grow the control tensor
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_logits, g_tpe = moe_forward(static_h, rw, None, *args, **kw)
+    for step in range(6):
+        static_h.copy_(make(T, H, I, E, torch.bfloat16, seed=200 + step)[0])
+        rw.add_(torch.randn_like(rw) * 0.02)  # in place, as an optimizer step
+        g_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        out, logits, tpe = moe_forward(static_h, rw, None, *args, **kw)
+        assert torch.equal(g_logits, logits) and torch.equal(g_tpe, tpe) and torch.equal(g_out, out), step
+
+
 # (experts, top-k) pairs the tests above compile already: each new pair is a new kernel specialization, and
 # compiling dozens of them would take the test's time away from launching (T, grid and routing vary per launch)
 LAUNCH_SHAPES = [(8, 2), (16, 4), (64, 8), (8, 1), (16, 2)]

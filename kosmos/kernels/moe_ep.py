@@ -68,8 +68,8 @@ import triton.language as tl
 from kosmos.kernels import runtime
 from kosmos.kernels.ag_gemm import ws_ptr
 from kosmos.kernels.gemm import gemm_tile
-from kosmos.kernels.moe import (MoeConfig, _block_rows, _fold_tile, _signal, max_blocks, routing_constexprs,
-                                select_config)
+from kosmos.kernels.moe import (MoeConfig, _block_rows, _fold_tile, _signal, _up_rows, max_blocks,
+                                routing_constexprs, select_config)
 from kosmos.kernels.moe_route import pair_rows, pick, route_tile, scan_counts
 from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, claim, count_out, delay_ns, publish_finished,
                                     record_status, signal_flag, wait_flag, wait_peers_finished)
@@ -181,29 +181,6 @@ def _segment(g, rank, world):
     """(local expert, source rank) of owner segment g."""
     j = g // world
     return j, (rank + g - j * world) % world
-
-
-@triton.jit
-def _ep_up_tile(row0, row_end, j, ib, x_desc, gu_desc, act, I, H,
-                BM: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, UP_PRECISION: tl.constexpr):
-    W: tl.constexpr = gu_desc.dtype
-    g_row = j * 2 * I + ib * BI
-    u_row = g_row + I
-    acc_g = tl.zeros((BM, BI), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BI), dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        x = x_desc.load([row0, k0])
-        g = gu_desc.load([g_row, k0])
-        u = gu_desc.load([u_row, k0])
-        acc_g = tl.dot(x, g.T, acc_g, input_precision=UP_PRECISION)
-        acc_u = tl.dot(x, u.T, acc_u, input_precision=UP_PRECISION)
-    gate = acc_g.to(W).to(tl.float32)
-    up = acc_u.to(W).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(W).to(tl.float32)
-    a = (silu * up).to(W).to(act.dtype.element_ty)
-    rows = row0 + tl.arange(0, BM)
-    cols = ib * BI + tl.arange(0, BI)
-    tl.store(act + rows.to(tl.int64)[:, None] * I + cols[None, :], a, mask=(rows < row_end)[:, None] & (cols < I)[None, :])
 
 
 @triton.jit(do_not_specialize=["err_host", "rank_base", "world", "timeout_ns", "straggle_rank", "straggle_ns",
@@ -327,8 +304,9 @@ def moe_ep_forward_kernel(ws_table, err_host, rank_base, world, lctl, lctl_rs, n
                     j, src = _segment(g, rank, world)
                     status = wait_flag(f_rows + src, epoch, err, timeout_ns, "sys", USE_ASM)
                     if status == 0:
-                        _ep_up_tile(row0, row_end, j, u - b * n_iblk, x_desc, gu_desc, act, I, H, BM, BI, BK,
-                                    UP_PRECISION)
+                        # no saved up rows under EP (act stands in for the unused saved_up)
+                        _up_rows(row0, row_end, j, u - b * n_iblk, x_desc, gu_desc, act, act, H, I, BM, BI, BK,
+                                 UP_PRECISION, False)
                         if skip == 0:
                             _signal(lc + L_UP + b, USE_ASM)
                 elif t < fold0:  # ---- DOWN, pushed to the source

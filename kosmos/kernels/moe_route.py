@@ -37,6 +37,29 @@ def _tf32_round(x):
 
 
 @triton.jit
+def _finish_logits(acc, cols_e, rb, E, RD: tl.constexpr, HAS_RB: tl.constexpr):
+    """Router GEMM sums (fp32) -> logits: + router_bias (rounded to RD), rounded to RD."""
+    if HAS_RB:
+        acc += tl.load(rb + cols_e, mask=cols_e < E, other=0.0).to(RD).to(tl.float32)[None, :]
+    return acc.to(RD)
+
+
+@triton.jit
+def _store_logits(lg, rows, cols_e, logits, T, E):
+    """The logits of `rows` x `cols_e` into logits [T, E] (rows past T and experts past E left out)."""
+    tl.store(logits + rows.to(tl.int64)[:, None] * E + cols_e[None, :], lg,
+             mask=(rows < T)[:, None] & (cols_e < E)[None, :])
+
+
+@triton.jit
+def _rgemm_origin(idx, E, RBM: tl.constexpr, RBN: tl.constexpr):
+    """(first token row, first expert) of RGEMM task idx: experts' blocks innermost."""
+    n_rn = tl.cdiv(E, RBN)
+    rm = idx // n_rn
+    return rm * RBM, (idx - rm * n_rn) * RBN
+
+
+@triton.jit
 def router_block(rows, cols_e, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD: tl.constexpr, HAS_RB: tl.constexpr,
                  BT: tl.constexpr, BE: tl.constexpr, BKR: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
     """Router logits of the token rows `rows` [BT] and experts `cols_e` [BE] as fp32 values of dtype RD (x @ W^T +
@@ -83,9 +106,7 @@ def router_block(rows, cols_e, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD: tl.cons
             acc += tl.dot(x32, tl.trans(w_hi), part, input_precision="tf32")
         else:
             acc = tl.dot(x.to(RD), tl.trans(w.to(RD)), acc, input_precision=ROUTER_PRECISION)
-    if HAS_RB:
-        acc += tl.load(rb + cols_e, mask=emask, other=0.0).to(RD).to(tl.float32)[None, :]
-    return acc.to(RD)
+    return _finish_logits(acc, cols_e, rb, E, RD, HAS_RB)
 
 
 @triton.jit
@@ -103,15 +124,12 @@ def router_gemm_tile(idx, hidden, h_ld, rw, rw_ld, rb, logits, T, H, E, HAS_RB: 
     innermost: the blocks of one token block run side by side and share its hidden rows in L2). A 32-token ROUTE
     tile reads the whole router weight (7.3 MB at DeepSeek-V3's [256, 7168] fp32) for 32 tokens; a 128-token
     block reads its experts' part once per 128."""
-    RD: tl.constexpr = logits.dtype.element_ty
-    n_rn = tl.cdiv(E, RBN)
-    rm = idx // n_rn
-    rows = rm * RBM + tl.arange(0, RBM)
-    cols_e = (idx - rm * n_rn) * RBN + tl.arange(0, RBN)
-    lg = router_block(rows, cols_e, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD, HAS_RB, RBM, RBN, BKG,
-                      ROUTER_PRECISION)
-    tl.store(logits + rows.to(tl.int64)[:, None] * E + cols_e[None, :], lg,
-             mask=(rows < T)[:, None] & (cols_e < E)[None, :])
+    row0, col0 = _rgemm_origin(idx, E, RBM, RBN)
+    rows = row0 + tl.arange(0, RBM)
+    cols_e = col0 + tl.arange(0, RBN)
+    lg = router_block(rows, cols_e, hidden, h_ld, rw, rw_ld, rb, T, H, E, logits.dtype.element_ty, HAS_RB, RBM, RBN,
+                      BKG, ROUTER_PRECISION)
+    _store_logits(lg, rows, cols_e, logits, T, E)
 
 
 @triton.jit
@@ -120,11 +138,7 @@ def router_gemm_tile_tma(idx, xr_desc, wr_desc, rb, logits, T, H, E, HAS_RB: tl.
     """router_gemm_tile for the "bf16x3" router through TMA: xr_desc over hidden [T, H] (block [RBM, BKG]), wr_desc
     over the three bf16 parts [3E, H] (block [RBN, BKG]; a block past E reads the next part's rows or zeros, into
     columns that are never stored). The K loop pipelines like the expert tiles'."""
-    RD: tl.constexpr = logits.dtype.element_ty
-    n_rn = tl.cdiv(E, RBN)
-    rm = idx // n_rn
-    row0 = rm * RBM
-    col0 = (idx - rm * n_rn) * RBN
+    row0, col0 = _rgemm_origin(idx, E, RBM, RBN)
     acc = tl.zeros((RBM, RBN), dtype=tl.float32)
     for k0 in range(0, H, BKG):
         x = xr_desc.load([row0, k0])
@@ -134,13 +148,9 @@ def router_gemm_tile_tma(idx, xr_desc, wr_desc, rb, logits, T, H, E, HAS_RB: tl.
         part = tl.dot(x, w2.T)  # each K block's parts summed on the tensor cores, then added in fp32 (router_block)
         part = tl.dot(x, w1.T, part)
         acc += tl.dot(x, w0.T, part)
-    rows = row0 + tl.arange(0, RBM)
     cols_e = col0 + tl.arange(0, RBN)
-    emask = cols_e < E
-    if HAS_RB:
-        acc += tl.load(rb + cols_e, mask=emask, other=0.0).to(RD).to(tl.float32)[None, :]
-    tl.store(logits + rows.to(tl.int64)[:, None] * E + cols_e[None, :], acc.to(RD),
-             mask=(rows < T)[:, None] & emask[None, :])
+    lg = _finish_logits(acc, cols_e, rb, E, logits.dtype.element_ty, HAS_RB)
+    _store_logits(lg, row0 + tl.arange(0, RBM), cols_e, logits, T, E)
 
 
 @triton.jit
@@ -174,10 +184,7 @@ def route_tile(tile, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, ra
     RD: tl.constexpr = logits.dtype.element_ty
     lg = router_logits(tile, hidden, h_ld, rw, rw_ld, rb, T, H, E, RD, HAS_RB, BT, BLOCK_E, BKR, ROUTER_PRECISION)
     if RET_LOGITS:
-        rows = tile * BT + tl.arange(0, BT)
-        cols_e = tl.arange(0, BLOCK_E)
-        tl.store(logits + rows.to(tl.int64)[:, None] * E + cols_e[None, :], lg,
-                 mask=(rows < T)[:, None] & (cols_e < E)[None, :])
+        _store_logits(lg, tile * BT + tl.arange(0, BT), tl.arange(0, BLOCK_E), logits, T, E)
     select_tile(tile, lg, cb, ids_ptr, w_ptr, rank_ptr, counts, T, E, rsf, eps, NORM, SCALED, SIGMOID, HAS_CB, N_GROUP,
                 TOPK_GROUP, SD_ROUND, CD_ROUND, TOP_K, KP, BT, BLOCK_E, RD)
 

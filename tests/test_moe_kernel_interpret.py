@@ -232,12 +232,13 @@ def case_deepseek_v3_router_fp32(torch):
                   rsf=2.5, router_dtype=torch.float32)
 
 
-def _router_gemm_config():
+def _interp_config(**fields):
+    """The interpreter's MoeConfig with `fields` replaced."""
     import dataclasses
 
     from kosmos.kernels import moe
 
-    return dataclasses.replace(moe.CONFIGS["interpret"], router_gemm=1)
+    return dataclasses.replace(moe.CONFIGS["interpret"], **fields)
 
 
 def case_router_gemm_deepseek_fp16(torch):
@@ -249,12 +250,12 @@ def case_router_gemm_deepseek_fp16(torch):
     h, rw, gu, d = _inputs(torch, 22, 32, 16, 16, torch.float16, 10)
     corr = torch.linspace(-0.05, 0.05, 16)
     router = dict(scoring="sigmoid", correction=corr, n_group=4, topk_group=2, rsf=2.5, router_dtype=torch.float32)
-    res = _check(torch, h, rw, gu, d, 3, tol=2e-3, **router, config=_router_gemm_config())
+    res = _check(torch, h, rw, gu, d, 3, tol=2e-3, **router, config=_interp_config(router_gemm=1))
     args = (h, rw, None, corr, gu, d, 3, "sigmoid", True, 4, 2)
     kw = dict(routed_scaling_factor=2.5, router_dtype=torch.float32, return_router_logits=True, return_routing=True)
     tiles = moe_forward(*args, **kw)
     for returned in (True, False):
-        gemm = moe_forward(*args, **dict(kw, return_router_logits=returned), config=_router_gemm_config())
+        gemm = moe_forward(*args, **dict(kw, return_router_logits=returned), config=_interp_config(router_gemm=1))
         for i, (a, b) in enumerate(zip(tiles, gemm)):
             if i != 1 or returned:  # (logits not returned: [0, E])
                 assert _same_bits(torch, a, b), f"output {i}: RGEMM and ROUTE tiles differ"
@@ -265,15 +266,7 @@ def case_router_gemm_fp32_bias_ragged_experts(torch):
     # 40 experts in RGEMM blocks of 16 (the last ragged), a router bias, fp32, top-2 of a softmax
     h, rw, gu, d = _inputs(torch, 19, 32, 16, 40, torch.float32, 13)
     bias = torch.randn(40, generator=torch.Generator().manual_seed(6)) * 0.3
-    return _check(torch, h, rw, gu, d, 2, tol=1e-5, router_bias=bias, config=_router_gemm_config())
-
-
-def _packed_config():
-    import dataclasses
-
-    from kosmos.kernels import moe
-
-    return dataclasses.replace(moe.CONFIGS["interpret"], pack_halves=True)
+    return _check(torch, h, rw, gu, d, 2, tol=1e-5, router_bias=bias, config=_interp_config(router_gemm=1))
 
 
 def case_pack_halves_fp16_many_blocks(torch):
@@ -282,12 +275,12 @@ def case_pack_halves_fp16_many_blocks(torch):
     from kosmos.kernels import moe
 
     h, rw, gu, d = _inputs(torch, 70, 64, 24, 5, torch.float16, 6)
-    res = _check(torch, h, rw, gu, d, 2, tol=2e-3, config=_packed_config())
+    res = _check(torch, h, rw, gu, d, 2, tol=2e-3, config=_interp_config(pack_halves=True))
     owner = [e for e, n in enumerate(res["counts"]) for _ in range(-(-n // 8))]  # expert of each half-block
     pairs = [owner[i:i + 2] for i in range(0, len(owner), 2)]
     res["mixed_tiles"] = sum(len(p) == 2 and p[0] != p[1] for p in pairs)
     assert 0 < res["mixed_tiles"] < len(pairs), (res["counts"], pairs)  # both kinds of tile ran
-    lay = moe.TaskLayout.of(70, 64, 24, 5, 2, _packed_config())
+    lay = moe.TaskLayout.of(70, 64, 24, 5, 2, _interp_config(pack_halves=True))
     res["tiles"] = lay.max_blocks  # the bound on packed tiles: ceil(max half-blocks / 2)
     assert lay.max_blocks == -(-moe.max_blocks(140, 5, 8) // 2), lay
     return res
@@ -302,7 +295,7 @@ def case_pack_halves_saved_up_exact_integers(torch):
     rw = torch.randn(E, H, generator=g).to(torch.float16)
     gu = torch.randint(-1, 2, (E, 2 * I, H), generator=g).to(torch.float16)
     d = torch.randint(-1, 2, (E, H, I), generator=g).to(torch.float16) * 0.125
-    return _check(torch, h, rw, gu, d, 3, tol=2e-3, save_up=True, config=_packed_config())
+    return _check(torch, h, rw, gu, d, 3, tol=2e-3, save_up=True, config=_interp_config(pack_halves=True))
 
 
 def case_pack_halves_empty_experts_top1_fp32(torch):
@@ -311,7 +304,7 @@ def case_pack_halves_empty_experts_top1_fp32(torch):
     bias = torch.zeros(8)
     bias[[0, 3, 4]] = -40.0
     res = _check(torch, h, rw, gu, d, 1, tol=1e-5, router_bias=bias, save_up=True, up_tol=1e-6,
-                 config=_packed_config())
+                 config=_interp_config(pack_halves=True))
     assert [res["counts"][i] for i in (0, 3, 4)] == [0, 0, 0], res
     return res
 

@@ -511,3 +511,27 @@ def test_gpu_gather_rows_matches_torch(monkeypatch, T, k, E, H, src_dtype, dtype
     assert fused[0].dtype == (dtype or src_dtype) and fused[0].shape == (T * k + E, H)
     if T:
         assert (fused[0][rows.pads] == 0).all() and (fused[1][rows.pads] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T,k,E", [(16384, 8, 256), (4096, 8, 128), (1000, 2, 5), (77, 1, 300), (0, 8, 16)])
+def test_gpu_sorted_pairs_match_torch(monkeypatch, T, k, E):
+    """The registered counting sort (kosmos.kernels.moe_pairs) builds _SortedPairs' tensors index for index as the
+    torch math does: router-like ids (distinct per token) with sentinel pairs (id E), int32 and int64 ids."""
+    import kosmos.kernels.fused_ops  # noqa: F401
+    from kosmos.ops import dispatch
+
+    g = torch.Generator(device="cuda").manual_seed(T + E)
+    ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=-1).indices
+    ids[torch.rand(T, k, device="cuda", generator=g) < 0.05] = E
+    assert dispatch.row_kernel("moe_sorted_pairs", ids.device) is not None
+    for dtype in (torch.int32, torch.int64):
+        fused = moe._SortedPairs(ids.to(dtype), E)
+        with monkeypatch.context() as m:
+            m.setattr(dispatch, "row_kernel", lambda name, device: None)
+            ref = moe._SortedPairs(ids.to(dtype), E)
+        for name in ("counts", "token", "pair", "row", "pads"):
+            a, b = getattr(fused, name), getattr(ref, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert fused.groups.ends.dtype == torch.int32 and torch.equal(fused.groups.ends, ref.groups.ends)

@@ -355,7 +355,7 @@ def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, 
 
 
 def register() -> None:
-    from kosmos.kernels import moe_rows
+    from kosmos.kernels import moe_pairs, moe_rows
 
     dispatch.register_fused("moe_layer", why_not_moe_layer, run_moe_layer, _layer_note)
     dispatch.register_fused("moe_layer_backward", why_not_moe_layer_backward, run_moe_layer_backward,
@@ -363,3 +363,4 @@ def register() -> None:
     dispatch.register_row_kernel("moe_swiglu_rows_backward", moe_rows.swiglu_rows_backward)
     dispatch.register_row_kernel("moe_fold", moe_rows.fold)
     dispatch.register_row_kernel("moe_gather_rows", moe_rows.gather_rows)
+    dispatch.register_row_kernel("moe_sorted_pairs", moe_pairs.sorted_pairs)

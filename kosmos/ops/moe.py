@@ -396,6 +396,11 @@ class _SortedPairs:
     `groups` the padded row groups; `gather` puts a tensor's rows in this order."""
 
     def __init__(self, topk_ids: torch.Tensor, num_experts: int):
+        kernel = dispatch.row_kernel("moe_sorted_pairs", topk_ids.device)
+        if kernel is not None:  # the same tensors in four launches (the torch math below is about twenty)
+            self.counts, self.token, self.pair, self.row, self.pads, ends = kernel(topk_ids.contiguous(), num_experts)
+            self.groups = _Groups(ends, padded=True)
+            return
         flat = topk_ids.reshape(-1).long()
         pairs, device = flat.numel(), flat.device
         sorted_ids, perm = torch.sort(flat, stable=True)  # tokens ascending inside an expert: the fused layout

@@ -442,30 +442,3 @@ def test_saved_up_bit_identical_over_grid_sizes():
                                 save_up=True, programs=programs)
             for a, b in zip(first, again):
                 assert torch.equal(a, b), programs
-
-
-@pytest.mark.parametrize("E,k", [(16, 4), (64, 8)])
-def test_pack_halves_matches_reference_and_plain_tiles(nan_workspaces, E, k):
-    """MoeConfig.pack_halves (opt-in): experts padded to 64-row half-blocks, two per UP / DOWN tile (two experts'
-    halves in one K loop): against the reference, saved up rows included, over grid sizes; and close to the plain
-    128-row tiles (the same routing: the router runs the same tiles)."""
-    import dataclasses
-
-    from kosmos.kernels.moe import forward_configs, moe_forward
-
-    h, rw, gu, d = make(1500, 512, 192, E, torch.bfloat16, seed=E + 30)  # ~94-375 rows an expert, ragged I chunk
-    base = forward_configs(h, gu)[0]
-    packed = dataclasses.replace(base, pack_halves=True)
-    kw = dict(return_router_logits=True, return_routing=True, save_up=True)
-    plain = moe_forward(h, rw, None, None, gu, d, k, **kw, config=base)
-    first = None
-    for programs in (None, 7):
-        res = moe_forward(h, rw, None, None, gu, d, k, **kw, config=packed, programs=programs)
-        assert all(torch.isfinite(t).all() for t in res if t.is_floating_point()), "rows left unwritten"
-        first = first or res
-        assert all(torch.equal(a, b) for a, b in zip(first, res)), programs
-    out, logits, tpe, saved, ids, w = first
-    assert torch.equal(ids, plain[4]) and torch.equal(tpe, plain[2])
-    assert rel_err(out, plain[0]) < 1e-2 and rel_err(saved, plain[3]) < 1e-2
-    ref, _ = experts(h, ids.long(), w.to(logits.dtype), gu, d)
-    assert rel_err(out, ref) <= TOL[torch.bfloat16]

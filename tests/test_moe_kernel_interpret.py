@@ -25,8 +25,7 @@ CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renor
          "softmax_grouped_corrected_fp16", "saved_up_fp16_ragged_two_i_chunks", "saved_up_empty_experts",
          "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token", "trace_rows",
          "exception_midway_leaves_counters_zeroed", "fold_groups_same_bits", "task_kind_matches_layout",
-         "router_gemm_deepseek_fp16", "router_gemm_fp32_bias_ragged_experts", "pack_halves_fp16_many_blocks",
-         "pack_halves_saved_up_exact_integers", "pack_halves_empty_experts_top1_fp32"]
+         "router_gemm_deepseek_fp16", "router_gemm_fp32_bias_ragged_experts"]
 
 
 # ----------------------------------------------------------------------------------------------- cases (subprocess)
@@ -267,46 +266,6 @@ def case_router_gemm_fp32_bias_ragged_experts(torch):
     h, rw, gu, d = _inputs(torch, 19, 32, 16, 40, torch.float32, 13)
     bias = torch.randn(40, generator=torch.Generator().manual_seed(6)) * 0.3
     return _check(torch, h, rw, gu, d, 2, tol=1e-5, router_bias=bias, config=_interp_config(router_gemm=1))
-
-
-def case_pack_halves_fp16_many_blocks(torch):
-    # 8-row half-blocks, two per 16-row tile: tiles of one expert and tiles whose halves belong to two experts (one
-    # K loop, two weight blocks); 70 tokens x top-2 over 5 experts, H and I over 2 chunks, a ragged I chunk
-    from kosmos.kernels import moe
-
-    h, rw, gu, d = _inputs(torch, 70, 64, 24, 5, torch.float16, 6)
-    res = _check(torch, h, rw, gu, d, 2, tol=2e-3, config=_interp_config(pack_halves=True))
-    owner = [e for e, n in enumerate(res["counts"]) for _ in range(-(-n // 8))]  # expert of each half-block
-    pairs = [owner[i:i + 2] for i in range(0, len(owner), 2)]
-    res["mixed_tiles"] = sum(len(p) == 2 and p[0] != p[1] for p in pairs)
-    assert 0 < res["mixed_tiles"] < len(pairs), (res["counts"], pairs)  # both kinds of tile ran
-    lay = moe.TaskLayout.of(70, 64, 24, 5, 2, _interp_config(pack_halves=True))
-    res["tiles"] = lay.max_blocks  # the bound on packed tiles: ceil(max half-blocks / 2)
-    assert lay.max_blocks == -(-moe.max_blocks(140, 5, 8) // 2), lay
-    return res
-
-
-def case_pack_halves_saved_up_exact_integers(torch):
-    # small-integer data: every product and sum exact, so packed tiles must give exactly the reference's bits,
-    # saved up rows included (their rows follow each half's expert)
-    g = torch.Generator().manual_seed(21)
-    T, H, I, E = 45, 32, 16, 6
-    h = torch.randint(-2, 3, (T, H), generator=g).to(torch.float16)
-    rw = torch.randn(E, H, generator=g).to(torch.float16)
-    gu = torch.randint(-1, 2, (E, 2 * I, H), generator=g).to(torch.float16)
-    d = torch.randint(-1, 2, (E, H, I), generator=g).to(torch.float16) * 0.125
-    return _check(torch, h, rw, gu, d, 3, tol=2e-3, save_up=True, config=_interp_config(pack_halves=True))
-
-
-def case_pack_halves_empty_experts_top1_fp32(torch):
-    # experts without tokens between busy ones and an expert of exactly one half-block, top-1, fp32
-    h, rw, gu, d = _inputs(torch, 37, 32, 16, 8, torch.float32, 22)
-    bias = torch.zeros(8)
-    bias[[0, 3, 4]] = -40.0
-    res = _check(torch, h, rw, gu, d, 1, tol=1e-5, router_bias=bias, save_up=True, up_tol=1e-6,
-                 config=_interp_config(pack_halves=True))
-    assert [res["counts"][i] for i in (0, 3, 4)] == [0, 0, 0], res
-    return res
 
 
 def case_sigmoid_fp16_plain(torch):

@@ -113,7 +113,7 @@ def _compile_moe_forward(cfg, consts: dict, router: str, router_weight: str = No
                         dict(**consts, RET_LOGITS=False, BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
                              BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=True, USE_ASM=True,
                              FOLD_GROUPS=cfg.fold_groups, ROUTER_GEMM=cfg.router_gemm == 1, RGEMM_TMA=rgemm_tma,
-                             PACK=cfg.pack_halves, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, TRACE=False),
+                             RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, TRACE=False),
                         dict(ctrl="i32", hidden=BF, rw=router_weight or router, rb=router, cb=router, logits=router,
                              ids_ptr="i32", w_ptr="fp32", rank_ptr="i32", counts="i32", meta="i32", tpe="i32",
                              x_sorted=BF, act=BF, saved_up=BF, y=BF, out=BF, trace="i64"),
@@ -121,9 +121,7 @@ def _compile_moe_forward(cfg, consts: dict, router: str, router_weight: str = No
                              down_desc=(torch.bfloat16, (cfg.bn, cfg.bk2)),
                              act_desc=(torch.bfloat16, (cfg.bm, cfg.bk2)),
                              xr_desc=(torch.bfloat16, (cfg.rbm, cfg.bkg) if rgemm_tma else (cfg.bm, cfg.bk)),
-                             wr_desc=(torch.bfloat16, (cfg.rbn, cfg.bkg) if rgemm_tma else (cfg.bm, cfg.bk)),
-                             xh_desc=(torch.bfloat16, (cfg.bm // (1 + cfg.pack_halves), cfg.bk)),
-                             ah_desc=(torch.bfloat16, (cfg.bm // (1 + cfg.pack_halves), cfg.bk2))),
+                             wr_desc=(torch.bfloat16, (cfg.rbn, cfg.bkg) if rgemm_tma else (cfg.bm, cfg.bk))),
                         int64=("err_host", "timeout_ns"), floats=("rsf", "eps"),
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -141,30 +139,6 @@ def test_moe_forward(fold_groups):
     consts = moe.routing_constexprs("softmax", True, 1, 1, 1.0, torch.bfloat16, None, None, 8, 128, torch.bfloat16,
                                     torch.bfloat16)
     _report(_compile_moe_forward(cfg, consts, BF))
-
-
-@pytest.mark.parametrize("layer", ["qwen3", "deepseek_v3"])
-def test_moe_forward_packed_halves(layer):
-    """MoeConfig.pack_halves (opt-in, not yet run on a GPU): tiles of two 64-row half-blocks, those of two experts
-    in one K loop with two weight blocks (two stages): no wgmma serialization, and it fits the shared memory."""
-    import dataclasses
-
-    from kosmos.kernels import moe
-
-    if layer == "qwen3":
-        cfg = dataclasses.replace(moe.CONFIGS["default"], pack_halves=True, **moe.WIDE_FORWARD)
-        consts = moe.routing_constexprs("softmax", True, 1, 1, 1.0, torch.bfloat16, None, None, 8, 128,
-                                        torch.bfloat16, torch.bfloat16)
-        k = _compile_moe_forward(cfg, consts, BF)
-    else:
-        cfg = dataclasses.replace(moe.CONFIGS["default"], bt=32, fold_groups=2, router_gemm=1, pack_halves=True,
-                                  **moe.WIDE_FORWARD)
-        consts = moe.routing_constexprs("sigmoid", True, 8, 4, 2.5, torch.float32, None, torch.zeros(1), 8, 256,
-                                        torch.bfloat16, torch.bfloat16, torch.bfloat16)
-        consts["ROUTER_PRECISION"] = "bf16x3"
-        k = _compile_moe_forward(cfg, consts, "fp32", router_weight=BF)
-    _report(k)
-    assert k.metadata.shared <= 227 * 1024
 
 
 def test_moe_forward_deepseek_router():

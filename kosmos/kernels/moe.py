@@ -60,8 +60,7 @@ done early idle for part of an UP tile).
   (y[row(t, j)] * w[t, j]) rounded to promote(down dtype, logits dtype), summed in fp32, rounded to that dtype,
   cast to hidden's dtype.
 
-max_blocks = (T*k + min(E, T*k) * (BM - 1)) // BM bounds sum_e ceil(count_e / BM) for ANY routing (with
-MoeConfig.pack_halves the row tiles are pairs of BM/2-row half-blocks, bounded by max_tiles), so the task
+max_blocks = (T*k + min(E, T*k) * (BM - 1)) // BM bounds sum_e ceil(count_e / BM) for ANY routing, so the task
 count (and every host scalar) depends only on shapes: no host sync, no .tolist(); the launch is capturable in a
 CUDA graph.
 
@@ -290,47 +289,13 @@ def _up_rows(row0, row_end, e, ib, x_desc, gu_desc, act, saved_up, H, I,
 
 
 @triton.jit
-def _up_halves(r1, end1, e1, r2, end2, e2, ib, xh_desc, gu_desc, act, saved_up, H, I,
-               HB: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, UP_PRECISION: tl.constexpr,
-               SAVE_UP: tl.constexpr):
-    """A packed UP tile whose two HB-row halves belong to experts e1 and e2: one K loop, each half against its own
-    expert's gate / up blocks (two stages: four weight blocks a stage)."""
-    g1 = e1 * 2 * I + ib * BI
-    g2 = e2 * 2 * I + ib * BI
-    acc_g1 = tl.zeros((HB, BI), dtype=tl.float32)
-    acc_u1 = tl.zeros((HB, BI), dtype=tl.float32)
-    acc_g2 = tl.zeros((HB, BI), dtype=tl.float32)
-    acc_u2 = tl.zeros((HB, BI), dtype=tl.float32)
-    for k0 in tl.range(0, H, BK, num_stages=2):
-        x1 = xh_desc.load([r1, k0])
-        x2 = xh_desc.load([r2, k0])
-        acc_g1 = tl.dot(x1, gu_desc.load([g1, k0]).T, acc_g1, input_precision=UP_PRECISION)
-        acc_u1 = tl.dot(x1, gu_desc.load([g1 + I, k0]).T, acc_u1, input_precision=UP_PRECISION)
-        acc_g2 = tl.dot(x2, gu_desc.load([g2, k0]).T, acc_g2, input_precision=UP_PRECISION)
-        acc_u2 = tl.dot(x2, gu_desc.load([g2 + I, k0]).T, acc_u2, input_precision=UP_PRECISION)
-    _up_epilogue(acc_g1, acc_u1, r1, end1, e1, ib, act, saved_up, I, gu_desc.dtype, HB, BI, SAVE_UP)
-    _up_epilogue(acc_g2, acc_u2, r2, end2, e2, ib, act, saved_up, I, gu_desc.dtype, HB, BI, SAVE_UP)
-
-
-@triton.jit
-def _up_tile(b, ib, meta, x_desc, xh_desc, gu_desc, act, saved_up, H, I, E,
+def _up_tile(b, ib, meta, x_desc, gu_desc, act, saved_up, H, I, E,
              BM: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
-             UP_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, PACK: tl.constexpr):
-    """UP task of row block b (PACK: of packed tile b, the half-blocks 2b and 2b + 1) and I chunk ib."""
-    if PACK:
-        HB: tl.constexpr = BM // 2
-        v1, e1, r1, end1 = _block_rows(2 * b, meta, E, HB, BLOCK_E)
-        v2, e2, r2, end2 = _block_rows(2 * b + 1, meta, E, HB, BLOCK_E)
-        if v1:
-            if v2 & (e2 != e1):
-                _up_halves(r1, end1, e1, r2, end2, e2, ib, xh_desc, gu_desc, act, saved_up, H, I, HB, BI, BK,
-                           UP_PRECISION, SAVE_UP)
-            else:  # one expert's rows (its second half, if any, follows at r1 + HB)
-                _up_rows(r1, end1, e1, ib, x_desc, gu_desc, act, saved_up, H, I, BM, BI, BK, UP_PRECISION, SAVE_UP)
-    else:
-        valid, e, row0, row_end = _block_rows(b, meta, E, BM, BLOCK_E)
-        if valid:
-            _up_rows(row0, row_end, e, ib, x_desc, gu_desc, act, saved_up, H, I, BM, BI, BK, UP_PRECISION, SAVE_UP)
+             UP_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr):
+    """UP task of row block b and I chunk ib."""
+    valid, e, row0, row_end = _block_rows(b, meta, E, BM, BLOCK_E)
+    if valid:
+        _up_rows(row0, row_end, e, ib, x_desc, gu_desc, act, saved_up, H, I, BM, BI, BK, UP_PRECISION, SAVE_UP)
 
 
 @triton.jit
@@ -342,44 +307,15 @@ def _down_store(acc, row0, row_end, nb, y, H, BM: tl.constexpr, BN: tl.constexpr
 
 
 @triton.jit
-def _down_halves(r1, end1, e1, r2, end2, e2, nb, ah_desc, down_desc, y, H, I, HB: tl.constexpr, BN: tl.constexpr,
-                 BK2: tl.constexpr, DOWN_PRECISION: tl.constexpr):
-    """A packed DOWN tile whose two HB-row halves belong to experts e1 and e2 (one K loop, two weight blocks)."""
-    acc1 = tl.zeros((HB, BN), dtype=tl.float32)
-    acc2 = tl.zeros((HB, BN), dtype=tl.float32)
-    for k0 in tl.range(0, I, BK2, num_stages=2):
-        acc1 = tl.dot(ah_desc.load([r1, k0]), down_desc.load([e1 * H + nb * BN, k0]).T, acc1,
-                      input_precision=DOWN_PRECISION)
-        acc2 = tl.dot(ah_desc.load([r2, k0]), down_desc.load([e2 * H + nb * BN, k0]).T, acc2,
-                      input_precision=DOWN_PRECISION)
-    _down_store(acc1, r1, end1, nb, y, H, HB, BN)
-    _down_store(acc2, r2, end2, nb, y, H, HB, BN)
-
-
-@triton.jit
-def _down_tile(b, nb, meta, act_desc, ah_desc, down_desc, y, H, I, E,
+def _down_tile(b, nb, meta, act_desc, down_desc, y, H, I, E,
                BM: tl.constexpr, BN: tl.constexpr, BK2: tl.constexpr, BLOCK_E: tl.constexpr,
-               DOWN_PRECISION: tl.constexpr, PACK: tl.constexpr):
-    """DOWN task of row block b (PACK: packed tile b, as _up_tile) and H chunk nb."""
-    if PACK:
-        HB: tl.constexpr = BM // 2
-        v1, e1, r1, end1 = _block_rows(2 * b, meta, E, HB, BLOCK_E)
-        v2, e2, r2, end2 = _block_rows(2 * b + 1, meta, E, HB, BLOCK_E)
-        mixed = v2 & (e2 != e1)
-        if v1 & (nb * BN < H):
-            if mixed:
-                _down_halves(r1, end1, e1, r2, end2, e2, nb, ah_desc, down_desc, y, H, I, HB, BN, BK2,
-                             DOWN_PRECISION)
-            else:
-                acc = gemm_tile(act_desc, down_desc, r1, e1 * H + nb * BN, tl.cdiv(I, BK2), BM, BN, BK2,
-                                False, True, DOWN_PRECISION)
-                _down_store(acc, r1, end1, nb, y, H, BM, BN)
-    else:
-        valid, e, row0, row_end = _block_rows(b, meta, E, BM, BLOCK_E)
-        if valid & (nb * BN < H):
-            acc = gemm_tile(act_desc, down_desc, row0, e * H + nb * BN, tl.cdiv(I, BK2), BM, BN, BK2,
-                            False, True, DOWN_PRECISION)
-            _down_store(acc, row0, row_end, nb, y, H, BM, BN)
+               DOWN_PRECISION: tl.constexpr):
+    """DOWN task of row block b and H chunk nb."""
+    valid, e, row0, row_end = _block_rows(b, meta, E, BM, BLOCK_E)
+    if valid & (nb * BN < H):
+        acc = gemm_tile(act_desc, down_desc, row0, e * H + nb * BN, tl.cdiv(I, BK2), BM, BN, BK2,
+                        False, True, DOWN_PRECISION)
+        _down_store(acc, row0, row_end, nb, y, H, BM, BN)
 
 
 @triton.jit
@@ -411,8 +347,8 @@ def _fold_tile(tile, col0, col_end, ids_ptr, rank_ptr, w_ptr, base, y, out, o_ld
 @triton.jit(do_not_specialize=["T", "n_tiles", "max_blocks", "err_host", "timeout_ns"])
 def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        hidden, h_ld, rw, rw_ld, rb, cb, x_desc, gu_desc, down_desc, act_desc, xr_desc, wr_desc,
-                       xh_desc, ah_desc, logits, ids_ptr, w_ptr, rank_ptr, counts, meta, tpe, x_sorted, act, saved_up,
-                       y, out, o_ld, trace, T, H, I, E, rsf, eps, n_tiles, max_blocks, hb_per,
+                       logits, ids_ptr, w_ptr, rank_ptr, counts, meta, tpe, x_sorted, act, saved_up, y, out, o_ld,
+                       trace, T, H, I, E, rsf, eps, n_tiles, max_blocks, hb_per,
                        SIGMOID: tl.constexpr, HAS_CB: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                        SD_ROUND: tl.constexpr, CD_ROUND: tl.constexpr,
                        HAS_RB: tl.constexpr, RET_LOGITS: tl.constexpr, NORM: tl.constexpr, SCALED: tl.constexpr,
@@ -422,8 +358,7 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        PD_F32: tl.constexpr, ROUTER_PRECISION: tl.constexpr, UP_PRECISION: tl.constexpr,
                        DOWN_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, USE_ASM: tl.constexpr,
                        FOLD_GROUPS: tl.constexpr, ROUTER_GEMM: tl.constexpr, RGEMM_TMA: tl.constexpr,
-                       RBM: tl.constexpr, RBN: tl.constexpr, BKG: tl.constexpr, PACK: tl.constexpr,
-                       TRACE: tl.constexpr = False):
+                       RBM: tl.constexpr, RBN: tl.constexpr, BKG: tl.constexpr, TRACE: tl.constexpr = False):
     err_host = err_host.to(tl.pointer_type(tl.int32))  # host-mapped (pinned) mirror
     err = ctrl + C_ERR
     n_iblk = tl.cdiv(I, BI)
@@ -487,22 +422,18 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                                E, rsf, eps, HAS_RB, RET_LOGITS, NORM, SCALED, SIGMOID, HAS_CB, N_GROUP, TOPK_GROUP,
                                SD_ROUND, CD_ROUND, TOP_K, KP, BT, BLOCK_E, BKR, ROUTER_PRECISION)
             elif kind == 1:  # ---- SCAN
-                if PACK:  # block ends in half-blocks
-                    scan_counts(counts, meta, tpe, n_tiles, E, BM // 2, BLOCK_E, SCAN_T)
-                else:
-                    scan_counts(counts, meta, tpe, n_tiles, E, BM, BLOCK_E, SCAN_T)
+                scan_counts(counts, meta, tpe, n_tiles, E, BM, BLOCK_E, SCAN_T)
             elif kind == 2:  # ---- SCATTER
                 _scatter_tile(idx, n_tiles, ids_ptr, rank_ptr, counts, meta, hidden, h_ld, x_sorted,
                               saved_up, T, H, I, E, TOP_K, KP, BT, BH, SAVE_UP)
             elif kind == 3:  # ---- UP
                 b = idx // n_iblk
-                _up_tile(b, idx - b * n_iblk, meta, x_desc, xh_desc, gu_desc, act, saved_up, H, I, E,
-                         BM, BI, BK, BLOCK_E, UP_PRECISION, SAVE_UP, PACK)
+                _up_tile(b, idx - b * n_iblk, meta, x_desc, gu_desc, act, saved_up, H, I, E,
+                         BM, BI, BK, BLOCK_E, UP_PRECISION, SAVE_UP)
             elif kind == 4:  # ---- DOWN
                 b = idx // hb_per
                 nb = grp * hb_per + idx - b * hb_per
-                _down_tile(b, nb, meta, act_desc, ah_desc, down_desc, y, H, I, E, BM, BN, BK2, BLOCK_E,
-                           DOWN_PRECISION, PACK)
+                _down_tile(b, nb, meta, act_desc, down_desc, y, H, I, E, BM, BN, BK2, BLOCK_E, DOWN_PRECISION)
             else:  # ---- FOLD
                 _fold_tile(idx, grp * hb_per * BN, tl.minimum((grp + 1) * hb_per * BN, H), ids_ptr, rank_ptr, w_ptr,
                            counts, y, out, o_ld, T, H, E, TOP_K, KP, BT, BH, PD_F32)
@@ -544,10 +475,7 @@ class MoeConfig:
     groups of the DOWN / FOLD tasks (TaskLayout), at most MAX_FOLD_GROUPS. router_gemm: the router GEMM as RGEMM
     tasks of RBM tokens x RBN experts (K block BKG) ahead of the ROUTE tasks, which then select from the stored
     logits (1), or inside each ROUTE tile (0); -1: resolve_router_gemm's rule (on for an fp32 router on bf16 hidden
-    states, whose weight then goes in as three bf16 parts: split_router_weight). pack_halves: experts padded to
-    BM/2-row half-blocks instead of BM-row blocks, two half-blocks per UP / DOWN tile (one expert's: the plain tile;
-    two experts': one K loop with two weight blocks, _up_halves / _down_halves). Off by default: not yet run on a
-    GPU (RESULTS.md sixteenth session: the 128-row padding is ~12% of DeepSeek-V3's expert rows)."""
+    states, whose weight then goes in as three bf16 parts: split_router_weight)."""
     bt: int = 64
     bkr: int = 64
     bm: int = 128
@@ -561,7 +489,6 @@ class MoeConfig:
     num_stages: int = 3
     fold_groups: int = 1
     router_gemm: int = -1
-    pack_halves: bool = False
     rbm: int = 128
     rbn: int = 128
     bkg: int = 32
@@ -639,13 +566,6 @@ def max_blocks(num_pairs: int, num_experts: int, bm: int) -> int:
     return (num_pairs + min(num_experts, num_pairs) * (bm - 1)) // bm
 
 
-def max_tiles(num_pairs: int, num_experts: int, cfg: "MoeConfig") -> int:
-    """Upper bound of the UP / DOWN row tiles: BM-row blocks, or with pack_halves pairs of BM/2-row half-blocks."""
-    if cfg.pack_halves:
-        return -(-max_blocks(num_pairs, num_experts, cfg.bm // 2) // 2)
-    return max_blocks(num_pairs, num_experts, cfg.bm)
-
-
 @dataclasses.dataclass(frozen=True)
 class TaskLayout:
     """The forward's task stream for one shape and config (the module docstring): `n_rgemm` RGEMM tasks first (0
@@ -665,7 +585,7 @@ class TaskLayout:
         n_hblk = triton.cdiv(H, cfg.bn)
         hb_per = triton.cdiv(n_hblk, min(cfg.fold_groups, n_hblk))
         n_rgemm = triton.cdiv(T, cfg.rbm) * triton.cdiv(E, cfg.rbn) if cfg.router_gemm == 1 else 0
-        return cls(triton.cdiv(T, cfg.bt), max_tiles(T * top_k, E, cfg), triton.cdiv(I, cfg.bi),
+        return cls(triton.cdiv(T, cfg.bt), max_blocks(T * top_k, E, cfg.bm), triton.cdiv(I, cfg.bi),
                    triton.cdiv(n_hblk, hb_per), hb_per, n_rgemm)
 
     @property
@@ -859,10 +779,6 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
     gu_desc = TensorDescriptor(gate_up_proj.view(E * two_i, H), [E * two_i, H], [H, 1], [cfg.bi, cfg.bk])
     down_desc = TensorDescriptor(down_proj.view(E * H, I), [E * H, I], [I, 1], [cfg.bn, cfg.bk2])
     act_desc = TensorDescriptor(act, [pairs, I], [I, 1], [cfg.bm, cfg.bk2])
-    xh_desc, ah_desc = x_desc, act_desc  # (unused without pack_halves)
-    if cfg.pack_halves:
-        xh_desc = TensorDescriptor(x_sorted, [pairs, H], [H, 1], [cfg.bm // 2, cfg.bk])
-        ah_desc = TensorDescriptor(act, [pairs, I], [I, 1], [cfg.bm // 2, cfg.bk2])
     product = torch.promote_types(down_proj.dtype, rd)
     if product not in (torch.float32, down_proj.dtype):
         raise ValueError(f"kosmos moe_forward: product dtype {product} of down_proj {down_proj.dtype} and logits {rd}")
@@ -884,14 +800,14 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
             hidden, hidden.stride(0), rw_arg, rw_arg.stride(-2),
             router_bias if router_bias is not None else router_weight,
             score_correction_bias if score_correction_bias is not None else router_weight, x_desc, gu_desc, down_desc,
-            act_desc, xr_desc, wr_desc, xh_desc, ah_desc, logits_arg, ids, wts, ranks, counts, meta, tpe, x_sorted,
-            act, saved_up, y, out, out.stride(0), trace if trace is not None else ids, T, H, I, E,
-            float(routed_scaling_factor), 1e-20, n_tiles, mb, layout.hb_per)
+            act_desc, xr_desc, wr_desc, logits_arg, ids, wts, ranks, counts, meta, tpe, x_sorted, act, saved_up, y,
+            out, out.stride(0),
+            trace if trace is not None else ids, T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles, mb,
+            layout.hb_per)
     meta_kw = dict(**consts, RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi,
                    BK=cfg.bk, BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=bool(save_up),
                    USE_ASM=not interp, FOLD_GROUPS=layout.groups, ROUTER_GEMM=bool(cfg.router_gemm),
-                   RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, PACK=cfg.pack_halves,
-                   TRACE=trace is not None,
+                   RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, TRACE=trace is not None,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P,)
     runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,

@@ -17,6 +17,7 @@ CASES = {
     "no_tokens": (0, 8, 16, "random"),
     "top1_one_token": (1, 1, 3, "random"),
     "many_experts_many_chunks": (300, 8, 130, "random"),
+    "int64_id_past_int32_is_no_expert": (50, 2, 6, "huge"),
 }
 
 
@@ -30,6 +31,9 @@ def _ids(T, k, E, how, seed=0):
     ids = scores.topk(k, dim=-1).indices.to(torch.int32)  # distinct per token, as a router's
     if how == "sentinels":
         ids[torch.rand(T, k, generator=g) < 0.2] = E
+    if how == "huge":  # one int64 id that an int32 cast would turn into expert 3
+        ids = ids.long()
+        ids[7, 1] = 2**32 + 3
     return ids.contiguous()
 
 

@@ -28,8 +28,8 @@ CB = 32  # chunks per step of the scan
 @triton.jit
 def _expert_of(ids, p, pm, E):
     """The expert id of pairs p (E for the sentinel and any id outside [0, E))."""
-    e = tl.load(ids + p, mask=pm, other=0).to(tl.int32)
-    return tl.where((e >= 0) & (e < E), e, E)
+    e = tl.load(ids + p, mask=pm, other=0)  # compared before any cast: an int64 id past int32 is no expert either
+    return tl.where((e >= 0) & (e < E), e, E).to(tl.int32)
 
 
 @triton.jit

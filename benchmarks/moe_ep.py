@@ -46,7 +46,7 @@ def run_cell(layer: str, T: int, W: int, warmup: int, rep: int) -> dict:
     from kosmos.kernels.moe_backward import moe_backward
     from kosmos.kernels.moe_ep import ep_workspace_bytes
     from kosmos.kernels.runtime import SimWorld
-    from kosmos.ops.moe import experts
+    from kosmos.ops.moe_math import experts
 
     d = LAYERS[layer]
     H, I, E, k = d["H"], d["I"], d["E"], d["k"]

@@ -114,7 +114,7 @@ class Cell:
 
     def unfused(self, probe: bool = False):
         """The standard EP MoE layer in autograd ops (module docstring); probe: time the two all_to_alls."""
-        from kosmos.ops.moe import route
+        from kosmos.ops.moe_math import route
 
         x, rw, gu, dn = self.params
         W, E_loc, k = self.world, self.E_loc, self.k

@@ -19,7 +19,7 @@ def main() -> None:
     for name, T, H, E in CASES:
         torch.manual_seed(0)
         ids = torch.stack([torch.randperm(E, device="cuda")[:8] for _ in range(T)])
-        rows = moe._SortedPairs(ids, E)
+        rows = moe_math._SortedPairs(ids, E)
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         fused = rows.gather(x)
         ms_kernel = triton.testing.do_bench(lambda: rows.gather(x), warmup=50, rep=300)

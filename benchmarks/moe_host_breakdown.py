@@ -20,7 +20,7 @@ PIECES = ("_SortedPairs", "experts_backward_saved_rows", "_router_d_logits", "_g
 
 def main(layer: str, T: int, steps: int = 20) -> None:
     import kosmos  # noqa: F401  (registers the backend)
-    from kosmos.ops import moe as om
+    from kosmos.ops import moe as om, moe_math as mm
     from torch.profiler import ProfilerActivity, profile
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -31,7 +31,8 @@ def main(layer: str, T: int, steps: int = 20) -> None:
     g = torch.randn_like(x)
     params = [x] + list(block.parameters())
     f = torch.compile(block, backend="kosmos")
-    targets = [(om, name, name) for name in PIECES]  # module globals: the op's body looks them up at each call
+    # module globals, looked up at each call: the op's body (kosmos.ops.moe) and its math (moe_math) bind their own
+    targets = [(mod, name, name) for name in PIECES for mod in (om, mm) if name in vars(mod)]
 
     def step():
         out = f(x)

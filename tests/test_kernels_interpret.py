@@ -567,7 +567,7 @@ def case_threads_moe_ep(torch, SimWorld):
     from kosmos.kernels.moe_backward import moe_backward
     from kosmos.kernels.moe_ep import moe_ep_forward
     from kosmos.kernels.moe_ep_backward import moe_ep_backward
-    from kosmos.ops.moe import experts, route
+    from kosmos.ops.moe_math import experts, route
 
     res = {}
     for W, T, E, k, hot in [(2, 21, 8, 2, False), (3, 9, 6, 2, False), (2, 15, 8, 2, True)]:

@@ -53,7 +53,7 @@ def _with_ids(routed, ids, norm, scoring, rsf):
 def reference(go, glog, h, rw, rb, cb, gu, d, k, scoring="softmax", norm=True, n_group=1, topk_group=1, rsf=1.0,
               router_dtype=None, ids=None):
     """moe_layer_backward's reference math; with `ids`, on that routing instead of the reference's own."""
-    from kosmos.ops.moe import _route_forward, experts_backward, route_backward
+    from kosmos.ops.moe_math import _route_forward, experts_backward, route_backward
 
     routed = _route_forward(h, rw, rb, cb, k, scoring, norm, n_group, topk_group, rsf, router_dtype)
     if ids is not None:

@@ -39,7 +39,7 @@ def _inputs(torch, T, H, I, E, dtype, seed, wdtype=None, router_scale=0.5):
 
 def _reference(go, glog, h, rw, rb, cb, gu, d, top_k, scoring, norm, n_group, topk_group, rsf, router_dtype):
     """kosmos::moe_layer_backward's reference impl (ep_group_name None), its math called directly."""
-    from kosmos.ops.moe import _route_forward, experts_backward, route_backward
+    from kosmos.ops.moe_math import _route_forward, experts_backward, route_backward
 
     routed = _route_forward(h, rw, rb, cb, top_k, scoring, norm, n_group, topk_group, rsf, router_dtype)
     _, ids, weights, _ = routed

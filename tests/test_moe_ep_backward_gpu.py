@@ -115,7 +115,7 @@ def test_hot_expert_top1_tiny(W):
 
 def test_against_op_reference():
     """One case against the op's reference math (kosmos.ops.moe), fp32 exact: the chain of checks closes."""
-    from kosmos.ops import moe as ops
+    from kosmos.ops import moe_math as ops
 
     W = 4
     h, rw, gu, d, go, rb, _ = make(W, 64, 128, 64, 16, torch.float32, seed=40, bias=True)

@@ -20,7 +20,7 @@ pytestmark = MARKS
 
 from kosmos.kernels import runtime  # noqa: E402
 from kosmos.kernels.runtime import SimWorld  # noqa: E402
-from kosmos.ops.moe import experts, route  # noqa: E402
+from kosmos.ops.moe_math import experts, route  # noqa: E402
 
 TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 

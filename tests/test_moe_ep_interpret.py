@@ -31,7 +31,7 @@ def _inputs(torch, T, H, I, E, dtype, seed):
 
 
 def _check(torch, sw, h, rw, gu, d, top_k, tol, **kw):
-    from kosmos.ops.moe import experts, route
+    from kosmos.ops.moe_math import experts, route
 
     ref_kw = {k: kw[k] for k in ("router_bias", "score_correction_bias") if k in kw}
     scoring = kw.get("scoring", "softmax")

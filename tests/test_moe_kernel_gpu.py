@@ -21,7 +21,7 @@ from _moe_gpu import MARKS, exact_fp32, rel_err, spin_bound  # noqa: F401  (auto
 pytestmark = MARKS
 
 from kosmos.kernels import runtime  # noqa: E402
-from kosmos.ops.moe import experts, route  # noqa: E402
+from kosmos.ops.moe_math import experts, route  # noqa: E402
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-5}
 

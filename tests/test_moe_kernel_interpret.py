@@ -77,7 +77,7 @@ def _check(torch, h, rw, gu, d, top_k, *, tol, router_bias=None, norm=True, rsf=
     reference, bit-identical results across runs; with save_up also saved_up (_check_saved_up: up_tol None means
     exact) and that a run without it gives the same bits; returns a summary."""
     from kosmos.kernels.moe import moe_forward
-    from kosmos.ops.moe import experts, route
+    from kosmos.ops.moe_math import experts, route
 
     E = gu.shape[0]
     logits, ids, w = route(h, rw, router_bias, correction, top_k, scoring, norm, n_group, topk_group, rsf, router_dtype)

@@ -1,5 +1,5 @@
 """kosmos.kernels.moe_pairs (the backward's sorted pairs by a counting sort) on the CPU under TRITON_INTERPRET=1,
-index for index against the torch math of kosmos.ops.moe._SortedPairs, in ONE subprocess (TRITON_INTERPRET must be
+index for index against the torch math of kosmos.ops.moe_math._SortedPairs, in ONE subprocess (TRITON_INTERPRET must be
 set before triton is imported); each test checks its case's line of the report."""
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _ids(T, k, E, how, seed=0):
 
 def _check_case(T, k, E, how):
     from kosmos.kernels import moe_pairs
-    from kosmos.ops import moe as ops
+    from kosmos.ops import moe_math as ops
 
     ids = _ids(T, k, E, how)
     want = ops._SortedPairs(ids, E)  # on the CPU: the torch math
@@ -70,7 +70,7 @@ def test_interpreted_case(report, case):
 
 def test_torch_math_layout_by_hand():
     """The layout both sides must produce, spelled out for one small routing (the torch math, in-process)."""
-    from kosmos.ops import moe as ops
+    from kosmos.ops import moe_math as ops
 
     ids = torch.tensor([[1, 0], [1, 3], [0, 1]], dtype=torch.int32)  # E = 3: id 3 is the sentinel
     rows = ops._SortedPairs(ids, 3)

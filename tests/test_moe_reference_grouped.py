@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kosmos.ops import moe
+from kosmos.ops import moe, moe_math
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}  # rel. error vs float64
@@ -99,17 +99,17 @@ def experts_loop(hidden, ids, weights, gate_up, down, grad_out):
 
 
 def run(hidden, ids, weights, gate_up, down, grad_out):
-    out, counts = moe.experts(hidden, ids, weights, gate_up, down)
-    grads = moe.experts_backward(grad_out, hidden, ids, weights, gate_up, down)
+    out, counts = moe_math.experts(hidden, ids, weights, gate_up, down)
+    grads = moe_math.experts_backward(grad_out, hidden, ids, weights, gate_up, down)
     return [out, *grads], counts
 
 
 def run_saved(hidden, ids, weights, gate_up, down, grad_out):
     """The moe_layer path: the forward's saved up rows feed the backward (nothing of the experts recomputed; the
     backward overwrites them)."""
-    out, counts, up = moe.experts(hidden, ids, weights, gate_up, down, return_up=True)
+    out, counts, up = moe_math.experts(hidden, ids, weights, gate_up, down, return_up=True)
     forward_up = up.clone()
-    grads = moe.experts_backward(grad_out, hidden, ids, weights, gate_up, down, saved_up=up)
+    grads = moe_math.experts_backward(grad_out, hidden, ids, weights, gate_up, down, saved_up=up)
     return [out, *grads], counts, forward_up
 
 
@@ -153,7 +153,7 @@ def grouped_calls(monkeypatch):
 
 
 def force_loop(monkeypatch):
-    monkeypatch.setattr(moe, "_grouped_kernel", lambda *args: False)
+    monkeypatch.setattr(moe_math, "_grouped_kernel", lambda *args: False)
 
 
 def check(results, counts, case, tol_dtype, rounded_differently=False):
@@ -277,10 +277,10 @@ def test_autograd_through_experts(grouped_calls):
     recorded operands take the loop, whose gradients match experts_backward."""
     hidden, ids, weights, gate_up, down, grad_out = make(37, 32, 16, 8, 2, torch.float32, "sentinel")
     leaves = [t.clone().requires_grad_() for t in (hidden, weights, gate_up, down)]
-    out, _ = moe.experts(leaves[0], ids, *leaves[1:])
+    out, _ = moe_math.experts(leaves[0], ids, *leaves[1:])
     got = torch.autograd.grad(out, leaves, grad_out)
     assert grouped_calls == []
-    want = moe.experts_backward(grad_out, hidden, ids, weights, gate_up, down)
+    want = moe_math.experts_backward(grad_out, hidden, ids, weights, gate_up, down)
     for name, a, b in zip(NAMES[1:], got, want):
         assert rel_err(a, b) <= 1e-6, name
 
@@ -292,7 +292,7 @@ def test_wgrad_unpadded_groups_zero_empty_experts(grouped_calls):
     a, b = torch.randn(12, 16), torch.randn(12, 8)
     ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
     like = torch.empty(6, 16, 8)
-    got = moe._grouped_wgrad(a, b, moe._Groups(ends, sizes), like)
+    got = moe_math._grouped_wgrad(a, b, moe_math._Groups(ends, sizes), like)
     assert grouped_calls == [(2, 2)]
     want = torch.stack([a[s:e].T @ b[s:e] for s, e in zip([0, 3, 3, 8, 8, 8], ends.tolist())])
     assert torch.equal(got[[1, 3, 4]], torch.zeros(3, 16, 8)) and torch.allclose(got, want, atol=1e-6)
@@ -305,7 +305,7 @@ def test_sorted_pairs_gather(T):
     E, k = 5, 3
     g = torch.Generator().manual_seed(T)
     ids = torch.randint(0, E + 1, (T, k), generator=g)  # id E: a sentinel pair
-    rows = moe._SortedPairs(ids, E)
+    rows = moe_math._SortedPairs(ids, E)
     hidden = torch.randn(T, 7, generator=g)
     weights = torch.rand(T * k, generator=g)
     with_zero = torch.cat([hidden, hidden.new_zeros(1, 7)])
@@ -318,10 +318,10 @@ def test_capability_check():
     x = torch.randn(8, 32)
     w = torch.randn(4, 32, 16)
     if hasattr(torch, "_grouped_mm"):
-        assert moe._grouped_kernel(x, w, 4) and moe._grouped_kernel(x.bfloat16(), w.bfloat16(), 4)
-    assert not moe._grouped_kernel(x.double(), w.double(), 4)  # torch._grouped_mm has no float64
-    assert not moe._grouped_kernel(x, w.bfloat16(), 4)
-    assert not moe._grouped_kernel(torch.randn(8, 6), torch.randn(4, 6, 16), 4)  # 24-byte rows: not TMA-aligned
+        assert moe_math._grouped_kernel(x, w, 4) and moe_math._grouped_kernel(x.bfloat16(), w.bfloat16(), 4)
+    assert not moe_math._grouped_kernel(x.double(), w.double(), 4)  # torch._grouped_mm has no float64
+    assert not moe_math._grouped_kernel(x, w.bfloat16(), 4)
+    assert not moe_math._grouped_kernel(torch.randn(8, 6), torch.randn(4, 6, 16), 4)  # 24-byte rows: not TMA-aligned
 
 
 # ----------------------------------------------------------------------------------------------- GPU
@@ -372,8 +372,8 @@ def test_gpu_grouped_no_host_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out, _ = moe.experts(hidden, ids, weights, gate_up, down)
-        grads = moe.experts_backward(grad_out, hidden, ids, weights, gate_up, down)
+        out, _ = moe_math.experts(hidden, ids, weights, gate_up, down)
+        grads = moe_math.experts_backward(grad_out, hidden, ids, weights, gate_up, down)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
@@ -389,7 +389,7 @@ def test_gpu_loop_dtypes(dtype):
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
         case = make(256, 128, 64, 16, 4, dtype, "sentinel", device="cuda")
-        assert not moe._grouped_kernel(case[0], case[3].transpose(1, 2), 16)
+        assert not moe_math._grouped_kernel(case[0], case[3].transpose(1, 2), 16)
         results, counts = run(*case)
         ref = reference(*case)
         for name, got, r in zip(NAMES, results, ref):
@@ -415,12 +415,12 @@ def test_gpu_row_kernels_match_torch(monkeypatch, S, I, w_dtype):
 
     apart = moe_rows.swiglu_rows_backward(h, d_au, w)  # d_h in a new tensor, no act * w
     h_fused, d_au_fused = h.clone(), d_au.clone()
-    fused = moe._swiglu_rows_backward_(h_fused, d_au_fused, w)
+    fused = moe_math._swiglu_rows_backward_(h_fused, d_au_fused, w)
     assert fused[0].data_ptr() == h_fused.data_ptr() and fused[2].data_ptr() == d_au_fused.data_ptr()  # in place
     assert torch.equal(fused[0], apart[0]) and torch.equal(fused[1], apart[1])  # in place: the same bits
     monkeypatch.setattr(dispatch, "row_kernel", lambda name, device: None)
     h_torch, d_au_torch = h.clone(), d_au.clone()
-    torch_math = moe._swiglu_rows_backward_(h_torch, d_au_torch, w)
+    torch_math = moe_math._swiglu_rows_backward_(h_torch, d_au_torch, w)
     assert torch_math[0].data_ptr() == h_torch.data_ptr() and torch_math[2].data_ptr() == d_au_torch.data_ptr()
     for name, a, b in zip(["d_h", "d_w", "act * w"], fused, torch_math):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -466,15 +466,15 @@ def test_gpu_fold_kernel_matches_torch(monkeypatch, w_dtype):
 
     def both():
         if weights is None:
-            return moe._fold(rows, row, T, k, torch.float32)
-        return moe._fold_weighted(rows, row, weights)
+            return moe_math._fold(rows, row, T, k, torch.float32)
+        return moe_math._fold_weighted(rows, row, weights)
 
     fused = both()
     if weights is None:  # into a given buffer (the backward folds d_hidden into saved_up's storage): the same bits
         from kosmos.kernels import moe_rows
 
         scratch = torch.full((T * H * 2,), float("nan"), device="cuda", dtype=torch.bfloat16)
-        into = moe._storage_as(scratch, (T, H), torch.float32)
+        into = moe_math._storage_as(scratch, (T, H), torch.float32)
         assert moe_rows.fold(rows, row.view(T, k), out=into) is into and torch.equal(into, fused)
     monkeypatch.setattr(dispatch, "row_kernel", lambda name, device: None)
     ref = both()
@@ -498,7 +498,7 @@ def test_gpu_gather_rows_matches_torch(monkeypatch, T, k, E, H, src_dtype, dtype
 
     g = torch.Generator(device="cuda").manual_seed(T + k)
     ids = torch.randint(0, E + 1, (T, k), device="cuda", generator=g)  # E: the sentinel (a pair of no expert)
-    rows = moe._SortedPairs(ids, E)
+    rows = moe_math._SortedPairs(ids, E)
     src = torch.randn(T, H, device="cuda", generator=g).to(src_dtype)
     w = torch.rand(T * k, device="cuda", generator=g)
     assert dispatch.row_kernel("moe_gather_rows", src.device) is not None
@@ -527,10 +527,10 @@ def test_gpu_sorted_pairs_match_torch(monkeypatch, T, k, E):
     ids[torch.rand(T, k, device="cuda", generator=g) < 0.05] = E
     assert dispatch.row_kernel("moe_sorted_pairs", ids.device) is not None
     for dtype in (torch.int32, torch.int64):
-        fused = moe._SortedPairs(ids.to(dtype), E)
+        fused = moe_math._SortedPairs(ids.to(dtype), E)
         with monkeypatch.context() as m:
             m.setattr(dispatch, "row_kernel", lambda name, device: None)
-            ref = moe._SortedPairs(ids.to(dtype), E)
+            ref = moe_math._SortedPairs(ids.to(dtype), E)
         for name in ("counts", "token", "pair", "row", "pads"):
             a, b = getattr(fused, name), getattr(ref, name)
             assert a.dtype == b.dtype and torch.equal(a, b), name

@@ -744,7 +744,7 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
 
     saved_up [T*k + E, 2I] in gate_up_proj's dtype: the up projection [gate | up] of every pair, rounded to that
     dtype (what the backward reads instead of recomputing it), in the reference's padded expert-major layout
-    (kosmos.ops.moe._SortedPairs): expert e's group is rows [start_e + e, start_e + e + 1 + count_e), an all-zero
+    (kosmos.ops.moe_math._SortedPairs): expert e's group is rows [start_e + e, start_e + e + 1 + count_e), an all-zero
     pad row, then e's pairs in ascending token order (start_e: pairs of the experts before e).
 
     trace (a profiling hook, benchmarks/moe_trace.py): int64 [num_tasks(...), 4] on the device; every task's row

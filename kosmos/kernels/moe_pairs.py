@@ -1,4 +1,4 @@
-"""The MoE backward's sorted (token, slot) pairs (kosmos.ops.moe `_SortedPairs`) by a counting sort on the device:
+"""The MoE backward's sorted (token, slot) pairs (kosmos.ops.moe_math `_SortedPairs`) by a counting sort on the device:
 four small Triton launches where the torch math takes about twenty ops, a sort among them. A small layer's backward
 is bound by the host's launches (benchmarks/RESULTS.md, fourteenth and fifteenth sessions), so fewer launches is the
 point; the result is the torch math's, index for index. Registered with kosmos.ops.dispatch as a row kernel.

@@ -66,7 +66,7 @@ def _swiglu_rows_backward_kernel(h, d_au, w, d_h, d_w, act_w, S, I, IN_PLACE: tl
             tl.debug_barrier()
         tl.store(d_h + r64[:, None] * (2 * I) + cols[None, :], d_gate.to(W), mask=m)
         tl.store(d_h + r64[:, None] * (2 * I) + I + cols[None, :], d_up.to(W), mask=m)
-        if ACT_W:  # the torch math's act * w (kosmos.ops.moe._swiglu_rows_backward_)
+        if ACT_W:  # the torch math's act * w (kosmos.ops.moe_math._swiglu_rows_backward_)
             tl.store(act_w + r64[:, None] * I + cols[None, :], (a * wr[:, None]).to(D), mask=m)
     tl.store(d_w + r64, dot, mask=rmask)
 

@@ -25,7 +25,7 @@ CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renor
          "softmax_grouped_corrected_fp16", "saved_up_fp16_ragged_two_i_chunks", "saved_up_empty_experts",
          "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token", "trace_rows",
          "exception_midway_leaves_counters_zeroed", "fold_groups_same_bits", "task_kind_matches_layout",
-         "router_gemm_deepseek_fp16", "router_gemm_fp32_bias_ragged_experts", "group_blocks_same_bits"]
+         "router_gemm_deepseek_fp16", "router_gemm_fp32_bias_ragged_experts"]
 
 
 # ----------------------------------------------------------------------------------------------- cases (subprocess)
@@ -229,33 +229,6 @@ def case_deepseek_v3_router_fp32(torch):
     corr = torch.linspace(-0.05, 0.05, 16)
     return _check(torch, h, rw, gu, d, 3, tol=2e-3, scoring="sigmoid", correction=corr, n_group=4, topk_group=2,
                   rsf=2.5, router_dtype=torch.float32)
-
-
-def case_group_blocks_same_bits(torch):
-    # UP / DOWN tasks G blocks at a time, chunk by chunk (group_blocks): the same bits as block by block, for 1 and 3
-    # programs; 9 experts, 150 tokens top-2 in 16-row blocks (max_blocks 27: 3 groups of 8 then one of 3 blocks),
-    # I = 48 (3 chunks), H = 96 (3 DOWN chunks in 2 fold groups: a short last group)
-    from kosmos.kernels import moe
-
-    h, rw, gu, d = _inputs(torch, 150, 96, 48, 9, torch.float16, 23)
-    args = (h, rw, None, None, gu, d, 2)
-    base = _interp_config(fold_groups=2)
-    with _NanWorkspaces(torch):
-        ref = moe.moe_forward(*args, config=base, return_routing=True, save_up=True)
-    lay = moe.TaskLayout.of(150, 96, 48, 9, 2, base)
-    for g in (2, 8, 64):
-        for p in (1, 3):
-            with _NanWorkspaces(torch):
-                run = moe.moe_forward(*args, config=_interp_config(fold_groups=2, group_blocks=g), programs=p,
-                                      return_routing=True, save_up=True)
-            assert all(_same_bits(torch, a, b) for a, b in zip(ref, run)), f"group_blocks={g} programs={p} differs"
-    try:
-        moe.moe_forward(*args, config=_interp_config(group_blocks=0))
-        raise AssertionError("group_blocks=0 ran")
-    except ValueError as e:
-        assert "group_blocks 0" in str(e), e
-    assert torch.isfinite(ref[0]).all()
-    return {"max_blocks": lay.max_blocks, "n_iblk": lay.n_iblk, "hb_per": lay.hb_per, "groups": lay.groups}
 
 
 def _interp_config(**fields):

@@ -163,18 +163,6 @@ def _task_kind(t, scan_task, scatter0, up0, down0, n_down, n_tiles, G: tl.conste
 
 
 @triton.jit
-def _block_chunk(idx, n_blocks, n_chunks, G: tl.constexpr):
-    """UP / DOWN task idx of a phase over n_blocks row blocks x n_chunks weight chunks, G blocks at a time and chunk
-    by chunk inside (MoeConfig.group_blocks > 1) -> (block, chunk). (The kernel's G = 1 order, block by block, is
-    written inline: the same code as before this order existed.)"""
-    first = idx // (G * n_chunks) * G
-    rows = tl.minimum(n_blocks - first, G)  # the last group may be short
-    local = idx - first * n_chunks
-    c = local // rows
-    return first + local - c * rows, c
-
-
-@triton.jit
 def _phase_counter(kind, grp):
     """The control word counting finished tasks of `kind` (ROUTE .. DOWN, RGEMM) and column group (DOWN); -1 for
     FOLD."""
@@ -370,8 +358,7 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        PD_F32: tl.constexpr, ROUTER_PRECISION: tl.constexpr, UP_PRECISION: tl.constexpr,
                        DOWN_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, USE_ASM: tl.constexpr,
                        FOLD_GROUPS: tl.constexpr, ROUTER_GEMM: tl.constexpr, RGEMM_TMA: tl.constexpr,
-                       RBM: tl.constexpr, RBN: tl.constexpr, BKG: tl.constexpr, GROUP_BLOCKS: tl.constexpr,
-                       TRACE: tl.constexpr = False):
+                       RBM: tl.constexpr, RBN: tl.constexpr, BKG: tl.constexpr, TRACE: tl.constexpr = False):
     err_host = err_host.to(tl.pointer_type(tl.int32))  # host-mapped (pinned) mirror
     err = ctrl + C_ERR
     n_iblk = tl.cdiv(I, BI)
@@ -440,20 +427,12 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                 _scatter_tile(idx, n_tiles, ids_ptr, rank_ptr, counts, meta, hidden, h_ld, x_sorted,
                               saved_up, T, H, I, E, TOP_K, KP, BT, BH, SAVE_UP)
             elif kind == 3:  # ---- UP
-                if GROUP_BLOCKS == 1:
-                    b = idx // n_iblk
-                    ib = idx - b * n_iblk
-                else:
-                    b, ib = _block_chunk(idx, max_blocks, n_iblk, GROUP_BLOCKS)
-                _up_tile(b, ib, meta, x_desc, gu_desc, act, saved_up, H, I, E,
+                b = idx // n_iblk
+                _up_tile(b, idx - b * n_iblk, meta, x_desc, gu_desc, act, saved_up, H, I, E,
                          BM, BI, BK, BLOCK_E, UP_PRECISION, SAVE_UP)
             elif kind == 4:  # ---- DOWN
-                if GROUP_BLOCKS == 1:
-                    b = idx // hb_per
-                    nb = grp * hb_per + idx - b * hb_per
-                else:
-                    b, nb = _block_chunk(idx, max_blocks, hb_per, GROUP_BLOCKS)
-                    nb += grp * hb_per
+                b = idx // hb_per
+                nb = grp * hb_per + idx - b * hb_per
                 _down_tile(b, nb, meta, act_desc, down_desc, y, H, I, E, BM, BN, BK2, BLOCK_E, DOWN_PRECISION)
             else:  # ---- FOLD
                 _fold_tile(idx, grp * hb_per * BN, tl.minimum((grp + 1) * hb_per * BN, H), ids_ptr, rank_ptr, w_ptr,
@@ -496,10 +475,7 @@ class MoeConfig:
     groups of the DOWN / FOLD tasks (TaskLayout), at most MAX_FOLD_GROUPS. router_gemm: the router GEMM as RGEMM
     tasks of RBM tokens x RBN experts (K block BKG) ahead of the ROUTE tasks, which then select from the stored
     logits (1), or inside each ROUTE tile (0); -1: resolve_router_gemm's rule (on for an fp32 router on bf16 hidden
-    states, whose weight then goes in as three bf16 parts: split_router_weight). group_blocks: the order of the UP
-    and DOWN tasks: block by block, every weight chunk of a block before the next block (1); or G blocks at a time,
-    chunk by chunk (the G blocks' tasks on one chunk of an expert's weight claimed together, so that chunk is read
-    from HBM once for them rather than once per block); opt-in, not yet timed on a GPU."""
+    states, whose weight then goes in as three bf16 parts: split_router_weight)."""
     bt: int = 64
     bkr: int = 64
     bm: int = 128
@@ -516,7 +492,6 @@ class MoeConfig:
     rbm: int = 128
     rbn: int = 128
     bkg: int = 32
-    group_blocks: int = 1
 
 
 # fp32 (4-byte elements) halves the K blocks; the interpreter wants tiny tiles (every op is numpy)
@@ -607,8 +582,6 @@ class TaskLayout:
     def of(cls, T: int, H: int, I: int, E: int, top_k: int, cfg: MoeConfig) -> "TaskLayout":
         if not 1 <= cfg.fold_groups <= MAX_FOLD_GROUPS.value:
             raise ValueError(f"kosmos moe_forward: fold_groups {cfg.fold_groups} not in 1..{MAX_FOLD_GROUPS.value}")
-        if not 1 <= cfg.group_blocks <= 64:
-            raise ValueError(f"kosmos moe_forward: group_blocks {cfg.group_blocks} not in 1..64")
         n_hblk = triton.cdiv(H, cfg.bn)
         hb_per = triton.cdiv(n_hblk, min(cfg.fold_groups, n_hblk))
         n_rgemm = triton.cdiv(T, cfg.rbm) * triton.cdiv(E, cfg.rbn) if cfg.router_gemm == 1 else 0
@@ -834,8 +807,7 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
     meta_kw = dict(**consts, RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi,
                    BK=cfg.bk, BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=bool(save_up),
                    USE_ASM=not interp, FOLD_GROUPS=layout.groups, ROUTER_GEMM=bool(cfg.router_gemm),
-                   RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg,
-                   GROUP_BLOCKS=cfg.group_blocks, TRACE=trace is not None,
+                   RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, TRACE=trace is not None,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P,)
     runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,

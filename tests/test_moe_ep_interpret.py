@@ -175,6 +175,10 @@ def case_backward_missing_signal_raises(torch, SimWorld):
 
 
 def case_bad_arguments_raise(torch, SimWorld):
+    import dataclasses
+
+    from kosmos.kernels import moe
+
     sw = SimWorld(1, device="cpu")
     h, rw, gu, d = _inputs(torch, 8, 32, 32, 8, torch.float16, 8)
     bad = {"top_k > E": lambda: sw.moe_layer(h, rw, None, None, gu, d, 9),
@@ -183,11 +187,16 @@ def case_bad_arguments_raise(torch, SimWorld):
            "router_bias shape": lambda: sw.moe_layer(h, rw, torch.zeros(3, dtype=h.dtype), None, gu, d, 2),
            "n_group not dividing E": lambda: sw.moe_layer(h, rw, None, None, gu, d, 2, "sigmoid", True, 3, 1),
            "grad_router_logits of another rank count": lambda: sw.moe_layer_backward(
-               torch.randn_like(h), torch.zeros(2, 8, 8, dtype=h.dtype), h, rw, None, None, gu, d, 2)}
+               torch.randn_like(h), torch.zeros(2, 8, 8, dtype=h.dtype), h, rw, None, None, gu, d, 2),
+           "fold_groups the EP kernel does not run": lambda: sw.moe_layer(
+               h, rw, None, None, gu, d, 2, config=dataclasses.replace(moe.CONFIGS["interpret"], fold_groups=2)),
+           "router_gemm the EP kernel does not run": lambda: sw.moe_layer(
+               h, rw, None, None, gu, d, 2, config=dataclasses.replace(moe.CONFIGS["interpret"], router_gemm=1))}
     for name, call in bad.items():
         try:
             call()
-        except ValueError:
+        except ValueError as e:
+            assert "EP kernel" in str(e) or "kernel does not run" not in name, (name, e)
             continue
         raise AssertionError(f"{name}: no ValueError")
     return {"checked": len(bad)}

@@ -61,7 +61,8 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, descriptors: Optional[dic
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     def descriptor_type(dtype, block):
-        return mangle_type(TensorDescriptor.from_tensor(torch.empty(64, 64, dtype=dtype), list(block)))
+        return mangle_type(TensorDescriptor.from_tensor(torch.empty([2] * (len(block) - 2) + [64, 64], dtype=dtype),
+                                                        list(block)))
 
     src = _source(ASTSource, fn, constexprs, pointers, descriptors or {}, descriptor_type, int64, floats)
     return _compile(src, num_warps=num_warps, num_stages=num_stages)

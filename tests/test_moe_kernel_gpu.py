@@ -442,3 +442,30 @@ def test_saved_up_bit_identical_over_grid_sizes():
                                 save_up=True, programs=programs)
             for a, b in zip(first, again):
                 assert torch.equal(a, b), programs
+
+
+def test_joint_gate_up_bit_identical():
+    """MoeConfig.joint_gate_up (one wgmma of width 2*BI for the gate and up blocks): the same bits as two dots of
+    width BI (wgmma sums each output element over K the same way whatever the tile width), with saved up rows, on a
+    Qwen3-like and a DeepSeek-V3-like (fp32 router, RGEMM, two fold groups) layer, I with a ragged last chunk; and
+    bit-identical over grid sizes."""
+    import dataclasses
+
+    from kosmos.kernels import moe
+
+    h, rw, gu, d = make(3000, 1024, 320, 64, torch.bfloat16, seed=9)
+    base = moe.forward_configs(h, gu)[0]
+    kw = dict(return_router_logits=True, return_routing=True, save_up=True)
+    first = moe.moe_forward(h, rw, None, None, gu, d, 8, config=base, **kw)
+    joint = dataclasses.replace(base, joint_gate_up=True)
+    for programs in (None, 7):
+        again = moe.moe_forward(h, rw, None, None, gu, d, 8, config=joint, programs=programs, **kw)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b), programs
+    cfg = dataclasses.replace(base, fold_groups=2, router_gemm=1)
+    args = (h, rw.float(), None, torch.zeros(64, device="cuda"), gu, d, 8)
+    kw.update(scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5, router_dtype=torch.float32)
+    first = moe.moe_forward(*args, config=cfg, **kw)
+    again = moe.moe_forward(*args, config=dataclasses.replace(cfg, joint_gate_up=True), **kw)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)

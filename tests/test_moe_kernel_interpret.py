@@ -25,7 +25,7 @@ CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renor
          "softmax_grouped_corrected_fp16", "saved_up_fp16_ragged_two_i_chunks", "saved_up_empty_experts",
          "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token", "trace_rows",
          "exception_midway_leaves_counters_zeroed", "fold_groups_same_bits", "task_kind_matches_layout",
-         "router_gemm_deepseek_fp16", "router_gemm_fp32_bias_ragged_experts"]
+         "router_gemm_deepseek_fp16", "router_gemm_fp32_bias_ragged_experts", "joint_gate_up_same_bits"]
 
 
 # ----------------------------------------------------------------------------------------------- cases (subprocess)
@@ -229,6 +229,36 @@ def case_deepseek_v3_router_fp32(torch):
     corr = torch.linspace(-0.05, 0.05, 16)
     return _check(torch, h, rw, gu, d, 3, tol=2e-3, scoring="sigmoid", correction=corr, n_group=4, topk_group=2,
                   rsf=2.5, router_dtype=torch.float32)
+
+
+def case_joint_gate_up_same_bits(torch):
+    # the UP tile's gate and up blocks as one operand of one dot (joint_gate_up, a 4-D descriptor over gate_up_proj
+    # viewed [E, 2, I, H]). Exact-integer inputs (every product and sum exact, so any summation order gives the same
+    # bits: a gate / up swap or a shifted column cannot hide): the same bits as two dots, with saved up rows, I = 40
+    # in chunks of 16 (a ragged last chunk, whose columns past I read as zeros in the 4-D view), 1 and 3 programs.
+    # Random fp32 inputs: the interpreter's numpy matmul sums a [16, 32] product in another order than two [16, 16]
+    # ones, so there only within rounding (on the GPU the widths' sums are compared bit for bit, test_moe_kernel_gpu).
+    from kosmos.kernels import moe
+
+    g = torch.Generator().manual_seed(33)
+    h = torch.randint(-2, 3, (70, 32), generator=g).to(torch.float16)
+    rw = torch.randn(6, 32, generator=g).to(torch.float16)
+    gu = torch.randint(-1, 2, (6, 80, 32), generator=g).to(torch.float16)
+    d = torch.randint(-1, 2, (6, 32, 40), generator=g).to(torch.float16)
+    with _NanWorkspaces(torch):
+        ref = moe.moe_forward(h, rw, None, None, gu, d, 2, config=_interp_config(), return_routing=True, save_up=True)
+    for p in (1, 3):
+        with _NanWorkspaces(torch):
+            run = moe.moe_forward(h, rw, None, None, gu, d, 2, config=_interp_config(joint_gate_up=True), programs=p,
+                                  return_routing=True, save_up=True)
+        assert all(_same_bits(torch, a, b) for a, b in zip(ref, run)), f"exact integers, programs={p}: differ"
+    assert torch.isfinite(ref[0]).all() and ref[3].abs().sum() > 0
+    h, rw, gu, d = _inputs(torch, 70, 48, 40, 6, torch.float32, 31)
+    ref = moe.moe_forward(h, rw, None, None, gu, d, 2, config=_interp_config(), save_up=True)
+    run = moe.moe_forward(h, rw, None, None, gu, d, 2, config=_interp_config(joint_gate_up=True), save_up=True)
+    for a, b in zip(ref, run):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    return {}
 
 
 def _interp_config(**fields):

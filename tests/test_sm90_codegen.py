@@ -113,11 +113,12 @@ def _compile_moe_forward(cfg, consts: dict, router: str, router_weight: str = No
                         dict(**consts, RET_LOGITS=False, BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
                              BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=True, USE_ASM=True,
                              FOLD_GROUPS=cfg.fold_groups, ROUTER_GEMM=cfg.router_gemm == 1, RGEMM_TMA=rgemm_tma,
-                             RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, TRACE=False),
+                             RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, JOINT_GU=cfg.joint_gate_up, TRACE=False),
                         dict(ctrl="i32", hidden=BF, rw=router_weight or router, rb=router, cb=router, logits=router,
                              ids_ptr="i32", w_ptr="fp32", rank_ptr="i32", counts="i32", meta="i32", tpe="i32",
                              x_sorted=BF, act=BF, saved_up=BF, y=BF, out=BF, trace="i64"),
-                        dict(x_desc=(torch.bfloat16, (cfg.bm, cfg.bk)), gu_desc=(torch.bfloat16, (cfg.bi, cfg.bk)),
+                        dict(x_desc=(torch.bfloat16, (cfg.bm, cfg.bk)),
+                             gu_desc=(torch.bfloat16, (1, 2, cfg.bi, cfg.bk) if cfg.joint_gate_up else (cfg.bi, cfg.bk)),
                              down_desc=(torch.bfloat16, (cfg.bn, cfg.bk2)),
                              act_desc=(torch.bfloat16, (cfg.bm, cfg.bk2)),
                              xr_desc=(torch.bfloat16, (cfg.rbm, cfg.bkg) if rgemm_tma else (cfg.bm, cfg.bk)),
@@ -170,3 +171,31 @@ def test_moe_forward_deepseek_router_gemm():
                                     torch.bfloat16, torch.bfloat16, torch.bfloat16)
     consts["ROUTER_PRECISION"] = "bf16x3"
     _report(_compile_moe_forward(cfg, consts, "fp32", router_weight=BF))
+
+
+def test_moe_forward_joint_gate_up():
+    """MoeConfig.joint_gate_up: the UP tile's gate and up blocks as one operand, one wgmma of width 2*BI (64x256 on
+    the Qwen3 build) where the default runs two of width BI; no wgmma serialization. (ptxas, triton 3.6.0: the UP K
+    loop holds 4 HGMMA.64x256x16 and no shared-memory loads / stores or spills, as the default's 8 HGMMA.64x128x16;
+    6080 bytes of spill stores against 6200, the same 147480 B of shared memory.)"""
+    import dataclasses
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    from kosmos.kernels import moe
+
+    cfg = dataclasses.replace(moe.CONFIGS["default"], joint_gate_up=True, **moe.WIDE_FORWARD)
+    consts = moe.routing_constexprs("softmax", True, 1, 1, 1.0, torch.bfloat16, None, None, 8, 128, torch.bfloat16,
+                                    torch.bfloat16)
+    k = _compile_moe_forward(cfg, consts, BF)
+    _report(k)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas_path()), "cuobjdump"), "-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]+)", sass)
+    # 4 in the DOWN K loop and 4 in the UP K loop (the default build: 4, and 8 of width 128 in its UP loop)
+    assert ops.count("HGMMA.64x256x16.F32.BF16") == 8, sorted({op for op in ops if op.startswith("HGMMA")})

@@ -272,30 +272,42 @@ def _up_epilogue(acc_g, acc_u, row0, row_end, e, ib, act, saved_up, I, W: tl.con
 @triton.jit
 def _up_rows(row0, row_end, e, ib, x_desc, gu_desc, act, saved_up, H, I,
              BM: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, UP_PRECISION: tl.constexpr,
-             SAVE_UP: tl.constexpr):
+             SAVE_UP: tl.constexpr, JOINT_GU: tl.constexpr = False):
     """Gate and up GEMMs of BM sorted rows from row0 against expert e's I chunk ib, then _up_epilogue. Rows from
-    row_end on (the next expert's, or past the end: zeros) are computed and never stored."""
-    g_row = e * 2 * I + ib * BI
-    u_row = g_row + I
-    acc_g = tl.zeros((BM, BI), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BI), dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        x = x_desc.load([row0, k0])
-        g = gu_desc.load([g_row, k0])
-        u = gu_desc.load([u_row, k0])
-        acc_g = tl.dot(x, g.T, acc_g, input_precision=UP_PRECISION)
-        acc_u = tl.dot(x, u.T, acc_u, input_precision=UP_PRECISION)
+    row_end on (the next expert's, or past the end: zeros) are computed and never stored. gu_desc: blocks [BI, BK]
+    over gate_up_proj viewed [E*2I, H]; with JOINT_GU (MoeConfig.joint_gate_up) blocks [1, 2, BI, BK] over it viewed
+    [E, 2, I, H]: the gate and up blocks in one [2*BI, BK] operand, so ONE dot of width 2*BI computes both (wgmma
+    64x256 instead of two 64x128 that each read the x block from shared memory)."""
+    if JOINT_GU:
+        acc = tl.zeros((BM, 2 * BI), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            x = x_desc.load([row0, k0])
+            w = tl.reshape(gu_desc.load([e, 0, ib * BI, k0]), (2 * BI, BK))
+            acc = tl.dot(x, w.T, acc, input_precision=UP_PRECISION)
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BI)), (0, 2, 1)))
+    else:
+        g_row = e * 2 * I + ib * BI
+        u_row = g_row + I
+        acc_g = tl.zeros((BM, BI), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BI), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            x = x_desc.load([row0, k0])
+            g = gu_desc.load([g_row, k0])
+            u = gu_desc.load([u_row, k0])
+            acc_g = tl.dot(x, g.T, acc_g, input_precision=UP_PRECISION)
+            acc_u = tl.dot(x, u.T, acc_u, input_precision=UP_PRECISION)
     _up_epilogue(acc_g, acc_u, row0, row_end, e, ib, act, saved_up, I, gu_desc.dtype, BM, BI, SAVE_UP)
 
 
 @triton.jit
 def _up_tile(b, ib, meta, x_desc, gu_desc, act, saved_up, H, I, E,
              BM: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
-             UP_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr):
+             UP_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, JOINT_GU: tl.constexpr):
     """UP task of row block b and I chunk ib."""
     valid, e, row0, row_end = _block_rows(b, meta, E, BM, BLOCK_E)
     if valid:
-        _up_rows(row0, row_end, e, ib, x_desc, gu_desc, act, saved_up, H, I, BM, BI, BK, UP_PRECISION, SAVE_UP)
+        _up_rows(row0, row_end, e, ib, x_desc, gu_desc, act, saved_up, H, I, BM, BI, BK, UP_PRECISION, SAVE_UP,
+                 JOINT_GU)
 
 
 @triton.jit
@@ -358,7 +370,8 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        PD_F32: tl.constexpr, ROUTER_PRECISION: tl.constexpr, UP_PRECISION: tl.constexpr,
                        DOWN_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, USE_ASM: tl.constexpr,
                        FOLD_GROUPS: tl.constexpr, ROUTER_GEMM: tl.constexpr, RGEMM_TMA: tl.constexpr,
-                       RBM: tl.constexpr, RBN: tl.constexpr, BKG: tl.constexpr, TRACE: tl.constexpr = False):
+                       RBM: tl.constexpr, RBN: tl.constexpr, BKG: tl.constexpr, JOINT_GU: tl.constexpr,
+                       TRACE: tl.constexpr = False):
     err_host = err_host.to(tl.pointer_type(tl.int32))  # host-mapped (pinned) mirror
     err = ctrl + C_ERR
     n_iblk = tl.cdiv(I, BI)
@@ -429,7 +442,7 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
             elif kind == 3:  # ---- UP
                 b = idx // n_iblk
                 _up_tile(b, idx - b * n_iblk, meta, x_desc, gu_desc, act, saved_up, H, I, E,
-                         BM, BI, BK, BLOCK_E, UP_PRECISION, SAVE_UP)
+                         BM, BI, BK, BLOCK_E, UP_PRECISION, SAVE_UP, JOINT_GU)
             elif kind == 4:  # ---- DOWN
                 b = idx // hb_per
                 nb = grp * hb_per + idx - b * hb_per
@@ -475,7 +488,10 @@ class MoeConfig:
     groups of the DOWN / FOLD tasks (TaskLayout), at most MAX_FOLD_GROUPS. router_gemm: the router GEMM as RGEMM
     tasks of RBM tokens x RBN experts (K block BKG) ahead of the ROUTE tasks, which then select from the stored
     logits (1), or inside each ROUTE tile (0); -1: resolve_router_gemm's rule (on for an fp32 router on bf16 hidden
-    states, whose weight then goes in as three bf16 parts: split_router_weight)."""
+    states, whose weight then goes in as three bf16 parts: split_router_weight). joint_gate_up: the UP tile's gate
+    and up blocks loaded as one [2*BI, BK] operand (a 4-D descriptor over gate_up_proj viewed [E, 2, I, H]) and
+    multiplied by ONE dot of width 2*BI instead of two of width BI (the same bits); opt-in, not yet timed on a GPU
+    (RESULTS.md, eighteenth session)."""
     bt: int = 64
     bkr: int = 64
     bm: int = 128
@@ -492,6 +508,7 @@ class MoeConfig:
     rbm: int = 128
     rbn: int = 128
     bkg: int = 32
+    joint_gate_up: bool = False
 
 
 # fp32 (4-byte elements) halves the K blocks; the interpreter wants tiny tiles (every op is numpy)
@@ -776,7 +793,11 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
     y = torch.empty(pairs, H, dtype=down_proj.dtype, device=device)
     out = torch.empty(T, H, dtype=hidden.dtype, device=device)
     x_desc = TensorDescriptor(x_sorted, [pairs, H], [H, 1], [cfg.bm, cfg.bk])
-    gu_desc = TensorDescriptor(gate_up_proj.view(E * two_i, H), [E * two_i, H], [H, 1], [cfg.bi, cfg.bk])
+    if cfg.joint_gate_up:
+        gu_desc = TensorDescriptor(gate_up_proj.view(E, 2, I, H), [E, 2, I, H], [two_i * H, I * H, H, 1],
+                                   [1, 2, cfg.bi, cfg.bk])
+    else:
+        gu_desc = TensorDescriptor(gate_up_proj.view(E * two_i, H), [E * two_i, H], [H, 1], [cfg.bi, cfg.bk])
     down_desc = TensorDescriptor(down_proj.view(E * H, I), [E * H, I], [I, 1], [cfg.bn, cfg.bk2])
     act_desc = TensorDescriptor(act, [pairs, I], [I, 1], [cfg.bm, cfg.bk2])
     product = torch.promote_types(down_proj.dtype, rd)
@@ -807,7 +828,8 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
     meta_kw = dict(**consts, RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi,
                    BK=cfg.bk, BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=bool(save_up),
                    USE_ASM=not interp, FOLD_GROUPS=layout.groups, ROUTER_GEMM=bool(cfg.router_gemm),
-                   RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, TRACE=trace is not None,
+                   RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, JOINT_GU=bool(cfg.joint_gate_up),
+                   TRACE=trace is not None,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P,)
     runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,

@@ -490,7 +490,8 @@ class MoeConfig:
     logits (1), or inside each ROUTE tile (0); -1: resolve_router_gemm's rule (on for an fp32 router on bf16 hidden
     states, whose weight then goes in as three bf16 parts: split_router_weight). joint_gate_up: the UP tile's gate
     and up blocks loaded as one [2*BI, BK] operand (a 4-D descriptor over gate_up_proj viewed [E, 2, I, H]) and
-    multiplied by ONE dot of width 2*BI instead of two of width BI (the same bits); opt-in, not yet timed on a GPU
+    multiplied by ONE dot of width 2*BI instead of two of width BI (each output element the same K sum, so the same
+    bits are expected: test_joint_gate_up_bit_identical checks it on the GPU); opt-in, not yet run or timed on a GPU
     (RESULTS.md, eighteenth session)."""
     bt: int = 64
     bkr: int = 64

@@ -23,6 +23,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
+# the CTA-wide barrier: gl.thread_barrier on triton 3.6, gl.barrier on 3.8 (torch 2.14's triton), which dropped the other
+_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
 
 @gluon.jit
 def _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
@@ -232,10 +235,10 @@ def _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, 
                 else:
                     slot0 = (t * sk_max_contrib).to(gl.int64) * tile_elems
                     gl.store(ws_ptr + slot0 + (w - first_w) * tile_elems + offs, acc)
-                    gl.thread_barrier()  # the consumer's whole partial is written before the one release below
+                    _cta_barrier()  # the consumer's whole partial is written before the one release below
                     arrived = gl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
                     if arrived == n_contrib - 1:
-                        gl.thread_barrier()
+                        _cta_barrier()
                         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
                         for jc in range(n_contrib):
                             acc += gl.load(ws_ptr + slot0 + jc * tile_elems + offs, cache_modifier=".cg")

@@ -66,7 +66,9 @@ graph holds one call per MoE layer):
         saved_up is overwritten (its storage holds the SwiGLU backward's d_up, then d_hidden): a second backward
         through the same saved tensors never reads it. Eagerly autograd's version check raises; in a compiled graph
         AOT autograd's donated-buffer check raises, or the backward was compiled without donating saved_up and the
-        registered autograd hands the op a copy (`_may_overwrite`)
+        registered autograd hands the op a copy (`_may_overwrite`). Nothing saved: pass an empty [0, 2I] saved_up
+        (as the autograd does); with None or left out, torch 2.11's version bump of the mutated argument indexes a
+        positional that torch dropped as a default and raises IndexError (torch 2.13 fills the defaults first)
     moe_experts_backward(grad_out, <moe_experts' inputs>) -> [d_hidden, d_topk_weights, d_gate_up_proj, d_down_proj]
 They save the forward's inputs (moe_layer also saved_up) and recompute the rest: the routing, and without
 saved_up rows the up projection (`route_backward`, `experts_backward`: matmuls in the weights' dtype, sums in

@@ -1,6 +1,7 @@
-"""A test module's Triton-interpreter cases, all run in ONE subprocess (TRITON_INTERPRET must be set before triton is
+"""A test module's Triton-interpreter cases, run in subprocesses (TRITON_INTERPRET must be set before triton is
 imported and must not leak into other tests): `run_cases` runs there (the module's __main__) and prints the report,
-`collect` starts that subprocess and reads the report back; each test then checks its case's entry."""
+`collect` starts them (one per core, up to 4, the cases dealt out among them) and merges their reports; each test
+then checks its case's entry."""
 from __future__ import annotations
 
 import json
@@ -26,13 +27,26 @@ def run_cases(cases, namespace: dict, *args) -> None:
     print("REPORT " + json.dumps(report))
 
 
-def collect(path: str, timeout: int) -> dict:
-    """Runs the test module at `path` as a script under the interpreter; its report."""
+def collect(path: str, timeout: int, cases=None) -> dict:
+    """Runs the test module at `path` as a script under the interpreter, its `cases` dealt out among one subprocess
+    per core (all in one without `cases`); the merged report."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, path], capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT ")]
-    assert lines, f"no report (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("REPORT "):])
+    names = list(cases or [])
+    jobs = min(len(names), len(os.sched_getaffinity(0)), 4) if names else 1
+    groups = [names[i::jobs] for i in range(jobs)]
+    procs = [subprocess.Popen([sys.executable, path, *names], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=REPO) for names in groups]
+    report = {}
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
+            assert lines, f"no report (rc {proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}"
+            report.update(json.loads(lines[-1][len("REPORT "):]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    return report
 
 
 def check(report: dict, case: str) -> None:

@@ -6,8 +6,8 @@ The interpreter runs programs one after another: the first program claims and ru
 task it ran itself earlier), the others find the queue empty; so grids of 1 and 3 programs both run here and must
 give the same bits. fp16 / fp32 only (the interpreter's tl.dot on bf16 multiplies raw bits).
 
-All kernel cases run in ONE subprocess (TRITON_INTERPRET must be set before triton is imported and must not leak
-into other tests); each test checks its case's line of the report.
+The kernel cases run in subprocesses, one per core (tests/_interp.py; TRITON_INTERPRET must be set before triton is
+imported and must not leak into other tests); each test checks its case's line of the report.
 """
 from __future__ import annotations
 
@@ -193,7 +193,7 @@ def _main():
 
 @pytest.fixture(scope="module")
 def report():
-    return _interp.collect(__file__, timeout=600)
+    return _interp.collect(__file__, timeout=600, cases=CASES)
 
 
 @pytest.mark.parametrize("case", CASES)

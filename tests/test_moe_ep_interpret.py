@@ -8,7 +8,8 @@ The ops layer's real-group entry (kosmos.kernels.moe_ops.run_moe_layer / run_moe
 kosmos.kernels.moe_ep_group) runs here too, on a one-rank workspace, against the op's fake impls' shapes.
 
 Against the reference `route` + `experts` of kosmos.ops.moe; fp16 / fp32 only (the interpreter's tl.dot on bf16
-multiplies raw bits). All cases run in ONE subprocess (TRITON_INTERPRET must be set before triton is imported).
+multiplies raw bits). The cases run in subprocesses, one per core (tests/_interp.py; TRITON_INTERPRET must be set
+before triton is imported).
 """
 from __future__ import annotations
 
@@ -259,7 +260,7 @@ def _main():
 
 @pytest.fixture(scope="module")
 def report():
-    return _interp.collect(__file__, timeout=900)
+    return _interp.collect(__file__, timeout=900, cases=CASES)
 
 
 @pytest.mark.parametrize("case", CASES)

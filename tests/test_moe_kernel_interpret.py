@@ -10,8 +10,8 @@ saved_up (save_up=True) is checked against loops over the kernel's own routing: 
 integers (every product and sum exact, whatever the order), within the rounding of the weight dtype elsewhere; its pad
 rows must be exact zeros, and save_up must not change a bit of the other results.
 
-All kernel cases run in ONE subprocess (TRITON_INTERPRET must be set before triton is imported and must not leak
-into other tests); each test checks its case's line of the report.
+The kernel cases run in subprocesses, one per core (tests/_interp.py; TRITON_INTERPRET must be set before triton is
+imported and must not leak into other tests); each test checks its case's line of the report.
 """
 from __future__ import annotations
 
@@ -473,7 +473,7 @@ def _main():
 
 @pytest.fixture(scope="module")
 def report():
-    return _interp.collect(__file__, timeout=600)
+    return _interp.collect(__file__, timeout=600, cases=CASES)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,6 +1,7 @@
 """kosmos.kernels.moe_pairs (the backward's sorted pairs by a counting sort) on the CPU under TRITON_INTERPRET=1,
-index for index against the torch math of kosmos.ops.moe_math._SortedPairs, in ONE subprocess (TRITON_INTERPRET must be
-set before triton is imported); each test checks its case's line of the report."""
+index for index against the torch math of kosmos.ops.moe_math._SortedPairs, in subprocesses, one per core
+(tests/_interp.py; TRITON_INTERPRET must be set before triton is imported); each test checks its case's line of the
+report."""
 from __future__ import annotations
 
 import _interp
@@ -60,7 +61,7 @@ def _main():
 
 @pytest.fixture(scope="module")
 def report():
-    return _interp.collect(__file__, timeout=300)
+    return _interp.collect(__file__, timeout=300, cases=CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))

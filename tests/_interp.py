@@ -27,15 +27,14 @@ def run_cases(cases, namespace: dict, *args) -> None:
     print("REPORT " + json.dumps(report))
 
 
-def collect(path: str, timeout: int, cases=None) -> dict:
+def collect(path: str, timeout: int, cases) -> dict:
     """Runs the test module at `path` as a script under the interpreter, its `cases` dealt out among one subprocess
-    per core (all in one without `cases`); the merged report."""
+    per core; the merged report."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    names = list(cases or [])
-    jobs = min(len(names), len(os.sched_getaffinity(0)), 4) if names else 1
-    groups = [names[i::jobs] for i in range(jobs)]
-    procs = [subprocess.Popen([sys.executable, path, *names], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env, cwd=REPO) for names in groups]
+    names = list(cases)
+    jobs = min(len(names), len(os.sched_getaffinity(0)), 4)
+    procs = [subprocess.Popen([sys.executable, path, *names[i::jobs]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, cwd=REPO) for i in range(jobs)]
     report = {}
     try:
         for proc in procs:

@@ -454,7 +454,7 @@ def test_joint_gate_up_bit_identical():
     from kosmos.kernels import moe
 
     h, rw, gu, d = make(3000, 1024, 320, 64, torch.bfloat16, seed=9)
-    base = moe.forward_configs(h, gu)[0]
+    base = dataclasses.replace(moe.forward_configs(h, gu)[0], joint_gate_up=False)
     kw = dict(return_router_logits=True, return_routing=True, save_up=True)
     first = moe.moe_forward(h, rw, None, None, gu, d, 8, config=base, **kw)
     joint = dataclasses.replace(base, joint_gate_up=True)

@@ -175,7 +175,7 @@ def test_moe_forward_deepseek_router_gemm():
 
 def test_moe_forward_joint_gate_up():
     """MoeConfig.joint_gate_up: the UP tile's gate and up blocks as one operand, one wgmma of width 2*BI (64x256 on
-    the Qwen3 build) where the default runs two of width BI; no wgmma serialization. (ptxas, triton 3.6.0: the UP K
+    the Qwen3 build) where joint_gate_up=False runs two of width BI; no wgmma serialization (WIDE_FORWARD has it on). (ptxas, triton 3.6.0: the UP K
     loop holds 4 HGMMA.64x256x16 and no shared-memory loads / stores or spills, as the default's 8 HGMMA.64x128x16;
     6080 bytes of spill stores against 6200, the same 147480 B of shared memory.)"""
     import dataclasses
@@ -186,7 +186,7 @@ def test_moe_forward_joint_gate_up():
 
     from kosmos.kernels import moe
 
-    cfg = dataclasses.replace(moe.CONFIGS["default"], joint_gate_up=True, **moe.WIDE_FORWARD)
+    cfg = dataclasses.replace(moe.CONFIGS["default"], **moe.WIDE_FORWARD)
     consts = moe.routing_constexprs("softmax", True, 1, 1, 1.0, torch.bfloat16, None, None, 8, 128, torch.bfloat16,
                                     torch.bfloat16)
     k = _compile_moe_forward(cfg, consts, BF)

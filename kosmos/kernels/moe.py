@@ -491,8 +491,7 @@ class MoeConfig:
     states, whose weight then goes in as three bf16 parts: split_router_weight). joint_gate_up: the UP tile's gate
     and up blocks loaded as one [2*BI, BK] operand (a 4-D descriptor over gate_up_proj viewed [E, 2, I, H]) and
     multiplied by ONE dot of width 2*BI instead of two of width BI (each output element the same K sum, so the same
-    bits are expected: test_joint_gate_up_bit_identical checks it on the GPU); opt-in, not yet run or timed on a GPU
-    (RESULTS.md, eighteenth session)."""
+    bits are expected: test_joint_gate_up_bit_identical checks it on the GPU); on in WIDE_FORWARD."""
     bt: int = 64
     bkr: int = 64
     bm: int = 128
@@ -539,7 +538,9 @@ def select_config(hidden: torch.Tensor, gate_up_proj: torch.Tensor, num_experts:
 # The non-EP forward's wider expert tiles for 16-bit weights: UP BM x 2*128 (gate and up), DOWN BM x 256. Same
 # bits as the default tiles (the K blocks are unchanged); on the H200 at Qwen3-235B dims (T=16384) 9.73 ms vs
 # 12.73 (benchmarks/moe_configs.py, RESULTS.md). Tried first; a build that does not fit falls back to the default.
-WIDE_FORWARD = dict(bi=128, bn=256)
+# The joint gate/up operand: Qwen3-235B 9.77-9.94 ms vs 9.93-10.29 without, DeepSeek-V3 the same within noise
+# (RESULTS.md twentieth session).
+WIDE_FORWARD = dict(bi=128, bn=256, joint_gate_up=True)
 
 # Columns of H per DOWN / FOLD group in the default configs. Measured on the H200 at T=16384 (benchmarks/
 # moe_kernel_time.py, RESULTS.md tenth session, four interleaved rounds): DeepSeek-V3 (H 7168) 25.1 ms with 2 or 4

@@ -19,7 +19,7 @@ def ptxas_path() -> Optional[str]:
 
 
 def _source(source_cls, fn, constexprs: dict, pointers: dict, descriptors: dict, descriptor_type, int64=(),
-            floats=()):
+            floats=(), div16=()):
     """The compiler's source for `fn`: signature from the argument names (see compile_sm90); descriptor_type maps
     a descriptor's (dtype, block shape) to its mangled type."""
     sig, attrs = {}, {}
@@ -37,7 +37,9 @@ def _source(source_cls, fn, constexprs: dict, pointers: dict, descriptors: dict,
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-    unknown = set(constexprs) - set(fn.arg_names)
+            if name in div16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    unknown = (set(constexprs) | set(div16)) - set(fn.arg_names)
     if unknown:
         raise ValueError(f"{fn.__name__} has no arguments {sorted(unknown)}")
     return source_cls(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
@@ -51,10 +53,13 @@ def _compile(src, **options):
 
 
 def compile_sm90(fn, constexprs: dict, pointers: dict, descriptors: Optional[dict] = None, int64=(), floats=(),
-                 num_warps: int = 8, num_stages: int = 3):
+                 num_warps: int = 8, num_stages: int = 3, div16=()):
     """triton.compile of `fn` for sm_90: constexprs by name; pointers name -> element type ("bf16", "i32", ...,
     16-byte aligned as the launchers guarantee); descriptors name -> (dtype, block shape) of a host TMA
-    descriptor; int64 / floats: scalar arguments of those types; every other argument an i32."""
+    descriptor; int64 / floats: scalar arguments of those types; every other argument an i32, those named in div16
+    multiples of 16. Triton's JIT marks every int argument that is a multiple of 16 at the call (and not in
+    do_not_specialize) so; without the mark a kernel's masked stores of bf16 tiles come out as one 2-byte STG per
+    element and it spills far more (the MoE forward: 6080 against 336 bytes), which is not what runs."""
     import torch
     from triton.compiler import ASTSource
     from triton.runtime.jit import mangle_type
@@ -64,7 +69,7 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, descriptors: Optional[dic
         return mangle_type(TensorDescriptor.from_tensor(torch.empty([2] * (len(block) - 2) + [64, 64], dtype=dtype),
                                                         list(block)))
 
-    src = _source(ASTSource, fn, constexprs, pointers, descriptors or {}, descriptor_type, int64, floats)
+    src = _source(ASTSource, fn, constexprs, pointers, descriptors or {}, descriptor_type, int64, floats, div16)
     return _compile(src, num_warps=num_warps, num_stages=num_stages)
 
 

@@ -102,6 +102,11 @@ def test_gemm_rs(pairs):
     assert rep["spill_stores"] == 0, rep["text"]
 
 
+# the int arguments of moe_forward_kernel that are multiples of 16 in the models' layers (Triton's JIT specializes
+# them so at the call: Qwen3 / DeepSeek-V3 dims and row strides)
+MOE_DIV16 = ("H", "I", "E", "h_ld", "o_ld", "rw_ld")
+
+
 def _compile_moe_forward(cfg, consts: dict, router: str, router_weight: str = None):
     """moe_forward_kernel for sm_90 with saved_up, as its launcher builds it: bf16 expert weights and hidden states,
     the biases and logits of dtype `router`, the router weight of `router_weight` (default `router`); RGEMM tasks
@@ -124,7 +129,7 @@ def _compile_moe_forward(cfg, consts: dict, router: str, router_weight: str = No
                              xr_desc=(torch.bfloat16, (cfg.rbm, cfg.bkg) if rgemm_tma else (cfg.bm, cfg.bk)),
                              wr_desc=(torch.bfloat16, (cfg.rbn, cfg.bkg) if rgemm_tma else (cfg.bm, cfg.bk))),
                         int64=("err_host", "timeout_ns"), floats=("rsf", "eps"),
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, div16=MOE_DIV16)
 
 
 @pytest.mark.parametrize("fold_groups", [1, 4])
@@ -160,8 +165,8 @@ def test_moe_forward_deepseek_router():
 def test_moe_forward_deepseek_router_gemm():
     """The same as its launcher runs it on bf16 hidden states (MoeConfig.router_gemm): RGEMM tasks of 128 tokens x
     128 experts over the weight pre-split into three bf16 parts (TMA), ROUTE tiles selecting from the stored
-    logits: no wgmma serialization. (ptxas, triton 3.6.0: 4580 bytes of spill stores, 3116 with the ROUTE tiles'
-    in-loop TF32 split, 5784 in the Qwen3 build above.)"""
+    logits: no wgmma serialization. (ptxas, triton 3.6.0, with H / I / E / strides marked multiples of 16 as at the
+    call: 512 bytes of spill stores, 336 in the Qwen3 build above.)"""
     import dataclasses
 
     from kosmos.kernels import moe
@@ -175,9 +180,12 @@ def test_moe_forward_deepseek_router_gemm():
 
 def test_moe_forward_joint_gate_up():
     """MoeConfig.joint_gate_up: the UP tile's gate and up blocks as one operand, one wgmma of width 2*BI (64x256 on
-    the Qwen3 build) where joint_gate_up=False runs two of width BI; no wgmma serialization (WIDE_FORWARD has it on). (ptxas, triton 3.6.0: the UP K
-    loop holds 4 HGMMA.64x256x16 and no shared-memory loads / stores or spills, as the default's 8 HGMMA.64x128x16;
-    6080 bytes of spill stores against 6200, the same 147480 B of shared memory.)"""
+    the Qwen3 build) where joint_gate_up=False runs two of width BI; no wgmma serialization (WIDE_FORWARD has it on).
+    The expert tiles' epilogues store 16-byte vectors (one 2-byte STG per element when the int arguments are not
+    marked multiples of 16, as they are at the call). (ptxas, triton 3.6.0: the UP K loop holds 4 HGMMA.64x256x16
+    and no shared-memory loads / stores or spills, where the split form has 8 HGMMA.64x128x16; 336 bytes of spill
+    stores against 400, the same 147480 B of shared memory.)"""
+    import collections
     import dataclasses
     import os
     import re
@@ -199,3 +207,5 @@ def test_moe_forward_joint_gate_up():
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]+)", sass)
     # 4 in the DOWN K loop and 4 in the UP K loop (the default build: 4, and 8 of width 128 in its UP loop)
     assert ops.count("HGMMA.64x256x16.F32.BF16") == 8, sorted({op for op in ops if op.startswith("HGMMA")})
+    stores = collections.Counter(op for op in ops if op.startswith("STG"))
+    assert stores["STG.E.128"] > 4 * stores["STG.E.U16"], stores

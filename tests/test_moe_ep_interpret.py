@@ -192,7 +192,9 @@ def case_bad_arguments_raise(torch, SimWorld):
            "fold_groups the EP kernel does not run": lambda: sw.moe_layer(
                h, rw, None, None, gu, d, 2, config=dataclasses.replace(moe.CONFIGS["interpret"], fold_groups=2)),
            "router_gemm the EP kernel does not run": lambda: sw.moe_layer(
-               h, rw, None, None, gu, d, 2, config=dataclasses.replace(moe.CONFIGS["interpret"], router_gemm=1))}
+               h, rw, None, None, gu, d, 2, config=dataclasses.replace(moe.CONFIGS["interpret"], router_gemm=1)),
+           "joint_gate_up the EP kernel does not run": lambda: sw.moe_layer(
+               h, rw, None, None, gu, d, 2, config=dataclasses.replace(moe.CONFIGS["interpret"], joint_gate_up=True))}
     for name, call in bad.items():
         try:
             call()

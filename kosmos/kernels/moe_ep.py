@@ -424,10 +424,11 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
     world, n_local = ws.world, ws.n_local
     check_ep_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
                   n_group, topk_group, world, n_local)
-    if config is not None and (config.fold_groups != 1 or config.router_gemm == 1):
+    if config is not None and (config.fold_groups != 1 or config.router_gemm == 1 or config.joint_gate_up):
         raise ValueError(f"kosmos moe_ep_forward: config fold_groups={config.fold_groups}, router_gemm="
-                         f"{config.router_gemm}: the EP kernel has its own task layout (one DOWN / FOLD group, the "
-                         "router GEMM inside the ROUTE tiles); it takes fold_groups=1 and router_gemm -1 or 0")
+                         f"{config.router_gemm}, joint_gate_up={config.joint_gate_up}: the EP kernel has its own "
+                         "task layout (one DOWN / FOLD group, the router GEMM inside the ROUTE tiles, gate and up "
+                         "as two dots); it takes fold_groups=1, router_gemm -1 or 0 and joint_gate_up False")
     reason = kernel_reason(hidden[0], router_weight, router_bias, score_correction_bias, gate_up_proj[0], down_proj[0],
                            top_k, scoring, n_group, topk_group, router_dtype, activation)
     if reason is not None:

@@ -469,3 +469,31 @@ def test_joint_gate_up_bit_identical():
     again = moe.moe_forward(*args, config=dataclasses.replace(cfg, joint_gate_up=True), **kw)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+
+
+def test_gather_up_bit_identical():
+    """MoeConfig.gather_up (the UP tiles' x rows loaded from hidden through the sorted row -> token map, no x_sorted
+    copy): the same bits as the default, with saved up rows, on a Qwen3-like and a DeepSeek-V3-like (fp32 router,
+    RGEMM, two fold groups) layer, I with a ragged last chunk, hidden a column slice (row stride != H); over grid
+    sizes."""
+    import dataclasses
+
+    from kosmos.kernels import moe
+
+    h, rw, gu, d = make(3000, 1024, 320, 64, torch.bfloat16, seed=11)
+    h = torch.nn.functional.pad(h, (0, 64))[:, :1024]
+    base = moe.forward_configs(h, gu)[0]
+    kw = dict(return_router_logits=True, return_routing=True, save_up=True)
+    first = moe.moe_forward(h, rw, None, None, gu, d, 8, config=base, **kw)
+    for programs in (None, 7):
+        again = moe.moe_forward(h, rw, None, None, gu, d, 8, config=dataclasses.replace(base, gather_up=True),
+                                programs=programs, **kw)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b), programs
+    cfg = dataclasses.replace(base, fold_groups=2, router_gemm=1)
+    args = (h, rw.float(), None, torch.zeros(64, device="cuda"), gu, d, 8)
+    kw.update(scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5, router_dtype=torch.float32)
+    first = moe.moe_forward(*args, config=cfg, **kw)
+    again = moe.moe_forward(*args, config=dataclasses.replace(cfg, gather_up=True), **kw)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)

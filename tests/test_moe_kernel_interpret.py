@@ -25,7 +25,8 @@ CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renor
          "softmax_grouped_corrected_fp16", "saved_up_fp16_ragged_two_i_chunks", "saved_up_empty_experts",
          "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token", "trace_rows",
          "exception_midway_leaves_counters_zeroed", "fold_groups_same_bits", "task_kind_matches_layout",
-         "router_gemm_deepseek_fp16", "router_gemm_fp32_bias_ragged_experts", "joint_gate_up_same_bits"]
+         "router_gemm_deepseek_fp16", "router_gemm_fp32_bias_ragged_experts", "joint_gate_up_same_bits",
+         "gather_up_same_bits"]
 
 
 # ----------------------------------------------------------------------------------------------- cases (subprocess)
@@ -258,6 +259,36 @@ def case_joint_gate_up_same_bits(torch):
     run = moe.moe_forward(h, rw, None, None, gu, d, 2, config=_interp_config(joint_gate_up=True), save_up=True)
     for a, b in zip(ref, run):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    return {}
+
+
+def case_gather_up_same_bits(torch):
+    # gather_up: the UP tiles load their x rows from hidden through perm (sorted row -> token) instead of from the
+    # x_sorted copy the SCATTER tasks write. The same values reach the same dots: the same bits as the default, with
+    # and without saved up rows and the joint gate / up operand, 1 and 3 programs, every workspace starting as NaN;
+    # hidden a column slice of a wider tensor (row stride 56 != H = 48: h_ld used), and fp32 hidden states on fp16
+    # weights (the cast to the weight dtype moves from the SCATTER copy into the UP tile's load). 150 tokens, top-2
+    # of 6 experts, I = 40 in chunks of 16 (ragged), expert 5 never chosen.
+    from kosmos.kernels import moe
+
+    h, rw, gu, d = _inputs(torch, 150, 48, 40, 6, torch.float16, 43)
+    wide = torch.zeros(150, 56, dtype=torch.float16)
+    wide[:, 4:52] = h
+    h = wide[:, 4:52]
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -30.0], dtype=torch.float16)
+    runs = [(h, False, False), (h, True, True), (h, False, True), (h.float().contiguous(), True, False)]
+    for hid, save_up, joint in runs:
+        with _NanWorkspaces(torch):
+            ref = moe.moe_forward(hid, rw, bias, None, gu, d, 2, config=_interp_config(joint_gate_up=joint),
+                                  return_routing=True, save_up=save_up)
+        assert int((ref[2] >= 16).sum()) >= 4 and int(ref[2][5]) == 0, ref[2]
+        for p in (1, 3):
+            with _NanWorkspaces(torch):
+                run = moe.moe_forward(hid, rw, bias, None, gu, d, 2, programs=p, return_routing=True,
+                                      config=_interp_config(joint_gate_up=joint, gather_up=True), save_up=save_up)
+            same = all(_same_bits(torch, a, b) for a, b in zip(ref, run))
+            assert same, f"{hid.dtype} save_up={save_up} joint={joint} programs={p}: differ"
+        assert torch.isfinite(ref[0]).all()
     return {}
 
 

@@ -44,7 +44,9 @@ done early idle for part of an UP tile).
 - SCATTER(tile): waits scanned; copies each pair's token row, cast to gate_up_proj's dtype W, to its sorted row
   of x_sorted [T*k, H] (so an expert's rows are contiguous: the UP tiles read them through TMA); with save_up also
   zeroes the pad rows of saved_up of the experts e = tile (mod n_tiles) (every expert's, empty ones included).
-  (The publishing add's proxy fence makes x_sorted visible to the TMA reads.)
+  (The publishing add's proxy fence makes x_sorted visible to the TMA reads.) With MoeConfig.gather_up it writes
+  only perm[sorted row] = token (T*k int32 instead of T*k*H elements; no x_sorted at all), and the UP tiles load
+  their rows from hidden through perm (cp.async), casting to W there.
 - UP(block b, I-chunk ib): waits scattered == n_tiles; block b is the b-th BM-row block of the expert-sorted rows
   (blocks never straddle experts: expert e owns ceil(count_e / BM) blocks); blocks past the real number exit.
   Gate and up GEMMs of x_sorted rows row0 .. row0+BM-1 against gate_up_proj[e] (TMA descriptors over x_sorted and
@@ -240,10 +242,15 @@ def _zero_pad_rows(tile, n_tiles, meta, saved_up, E, I, BH: tl.constexpr):
 
 
 @triton.jit
-def _scatter_tile(tile, n_tiles, ids_ptr, rank_ptr, counts, meta, hidden, h_ld, x_sorted, saved_up, T, H, I, E,
-                  TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, SAVE_UP: tl.constexpr):
+def _scatter_tile(tile, n_tiles, ids_ptr, rank_ptr, counts, meta, hidden, h_ld, x_sorted, saved_up, perm, T, H, I, E,
+                  TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, SAVE_UP: tl.constexpr,
+                  GATHER_UP: tl.constexpr):
+    """x_sorted's rows of the tile's pairs, or with GATHER_UP (MoeConfig.gather_up) only perm[row] = token."""
     rows, m2, offs, pos = pair_rows(tile, ids_ptr, rank_ptr, counts, T, E, TOP_K, KP, BT)
-    _gather_rows(rows, pos, hidden, h_ld, x_sorted, T, H, TOP_K, KP, BT, BH)
+    if GATHER_UP:
+        tl.store(perm + pos, rows[:, None] + 0 * pos, mask=m2)
+    else:
+        _gather_rows(rows, pos, hidden, h_ld, x_sorted, T, H, TOP_K, KP, BT, BH)
     if SAVE_UP:
         _zero_pad_rows(tile, n_tiles, meta, saved_up, E, I, BH)
 
@@ -270,18 +277,38 @@ def _up_epilogue(acc_g, acc_u, row0, row_end, e, ib, act, saved_up, I, W: tl.con
 
 
 @triton.jit
+def _x_block(x_desc, a_rows, row0, k0, H, BK: tl.constexpr, XD: tl.constexpr, GATHER_UP: tl.constexpr):
+    """The UP tile's [BM, BK] block of x at K offset k0: through TMA from x_sorted, or with GATHER_UP loaded from
+    the token rows a_rows ([BM, 1] pointers into hidden) and cast to XD (gate_up_proj's dtype, as the SCATTER
+    tasks cast x_sorted)."""
+    if GATHER_UP:
+        ks = k0 + tl.arange(0, BK)
+        return tl.load(a_rows + ks[None, :], mask=(ks < H)[None, :], other=0.0).to(XD)
+    else:
+        return x_desc.load([row0, k0])
+
+
+@triton.jit
 def _up_rows(row0, row_end, e, ib, x_desc, gu_desc, act, saved_up, H, I,
              BM: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, UP_PRECISION: tl.constexpr,
-             SAVE_UP: tl.constexpr, JOINT_GU: tl.constexpr = False):
+             SAVE_UP: tl.constexpr, JOINT_GU: tl.constexpr = False, hidden=None, h_ld=0, perm=None, n_rows=0,
+             GATHER_UP: tl.constexpr = False):
     """Gate and up GEMMs of BM sorted rows from row0 against expert e's I chunk ib, then _up_epilogue. Rows from
     row_end on (the next expert's, or past the end: zeros) are computed and never stored. gu_desc: blocks [BI, BK]
     over gate_up_proj viewed [E*2I, H]; with JOINT_GU (MoeConfig.joint_gate_up) blocks [1, 2, BI, BK] over it viewed
     [E, 2, I, H]: the gate and up blocks in one [2*BI, BK] operand, so ONE dot of width 2*BI computes both (wgmma
-    64x256 instead of two 64x128 that each read the x block from shared memory)."""
+    64x256 instead of two 64x128 that each read the x block from shared memory). GATHER_UP: the x rows come from
+    hidden through perm (sorted row -> token; n_rows = T*k rows, those past it read token 0), not from x_sorted."""
+    XD: tl.constexpr = gu_desc.dtype
+    a_rows = hidden
+    if GATHER_UP:
+        rows = row0 + tl.arange(0, BM)
+        tok = tl.load(perm + rows, mask=rows < n_rows, other=0)
+        a_rows = hidden + tok.to(tl.int64)[:, None] * h_ld
     if JOINT_GU:
         acc = tl.zeros((BM, 2 * BI), dtype=tl.float32)
         for k0 in range(0, H, BK):
-            x = x_desc.load([row0, k0])
+            x = _x_block(x_desc, a_rows, row0, k0, H, BK, XD, GATHER_UP)
             w = tl.reshape(gu_desc.load([e, 0, ib * BI, k0]), (2 * BI, BK))
             acc = tl.dot(x, w.T, acc, input_precision=UP_PRECISION)
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BI)), (0, 2, 1)))
@@ -291,7 +318,7 @@ def _up_rows(row0, row_end, e, ib, x_desc, gu_desc, act, saved_up, H, I,
         acc_g = tl.zeros((BM, BI), dtype=tl.float32)
         acc_u = tl.zeros((BM, BI), dtype=tl.float32)
         for k0 in range(0, H, BK):
-            x = x_desc.load([row0, k0])
+            x = _x_block(x_desc, a_rows, row0, k0, H, BK, XD, GATHER_UP)
             g = gu_desc.load([g_row, k0])
             u = gu_desc.load([u_row, k0])
             acc_g = tl.dot(x, g.T, acc_g, input_precision=UP_PRECISION)
@@ -300,14 +327,14 @@ def _up_rows(row0, row_end, e, ib, x_desc, gu_desc, act, saved_up, H, I,
 
 
 @triton.jit
-def _up_tile(b, ib, meta, x_desc, gu_desc, act, saved_up, H, I, E,
+def _up_tile(b, ib, meta, x_desc, gu_desc, act, saved_up, hidden, h_ld, perm, n_rows, H, I, E,
              BM: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
-             UP_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, JOINT_GU: tl.constexpr):
+             UP_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, JOINT_GU: tl.constexpr, GATHER_UP: tl.constexpr):
     """UP task of row block b and I chunk ib."""
     valid, e, row0, row_end = _block_rows(b, meta, E, BM, BLOCK_E)
     if valid:
         _up_rows(row0, row_end, e, ib, x_desc, gu_desc, act, saved_up, H, I, BM, BI, BK, UP_PRECISION, SAVE_UP,
-                 JOINT_GU)
+                 JOINT_GU, hidden, h_ld, perm, n_rows, GATHER_UP)
 
 
 @triton.jit
@@ -359,7 +386,7 @@ def _fold_tile(tile, col0, col_end, ids_ptr, rank_ptr, w_ptr, base, y, out, o_ld
 @triton.jit(do_not_specialize=["T", "n_tiles", "max_blocks", "err_host", "timeout_ns"])
 def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        hidden, h_ld, rw, rw_ld, rb, cb, x_desc, gu_desc, down_desc, act_desc, xr_desc, wr_desc,
-                       logits, ids_ptr, w_ptr, rank_ptr, counts, meta, tpe, x_sorted, act, saved_up, y, out, o_ld,
+                       logits, ids_ptr, w_ptr, rank_ptr, counts, meta, tpe, x_sorted, perm, act, saved_up, y, out, o_ld,
                        trace, T, H, I, E, rsf, eps, n_tiles, max_blocks, hb_per,
                        SIGMOID: tl.constexpr, HAS_CB: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                        SD_ROUND: tl.constexpr, CD_ROUND: tl.constexpr,
@@ -371,7 +398,7 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        DOWN_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, USE_ASM: tl.constexpr,
                        FOLD_GROUPS: tl.constexpr, ROUTER_GEMM: tl.constexpr, RGEMM_TMA: tl.constexpr,
                        RBM: tl.constexpr, RBN: tl.constexpr, BKG: tl.constexpr, JOINT_GU: tl.constexpr,
-                       TRACE: tl.constexpr = False):
+                       GATHER_UP: tl.constexpr = False, TRACE: tl.constexpr = False):
     err_host = err_host.to(tl.pointer_type(tl.int32))  # host-mapped (pinned) mirror
     err = ctrl + C_ERR
     n_iblk = tl.cdiv(I, BI)
@@ -438,11 +465,11 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                 scan_counts(counts, meta, tpe, n_tiles, E, BM, BLOCK_E, SCAN_T)
             elif kind == 2:  # ---- SCATTER
                 _scatter_tile(idx, n_tiles, ids_ptr, rank_ptr, counts, meta, hidden, h_ld, x_sorted,
-                              saved_up, T, H, I, E, TOP_K, KP, BT, BH, SAVE_UP)
+                              saved_up, perm, T, H, I, E, TOP_K, KP, BT, BH, SAVE_UP, GATHER_UP)
             elif kind == 3:  # ---- UP
                 b = idx // n_iblk
-                _up_tile(b, idx - b * n_iblk, meta, x_desc, gu_desc, act, saved_up, H, I, E,
-                         BM, BI, BK, BLOCK_E, UP_PRECISION, SAVE_UP, JOINT_GU)
+                _up_tile(b, idx - b * n_iblk, meta, x_desc, gu_desc, act, saved_up, hidden, h_ld, perm,
+                         T * TOP_K, H, I, E, BM, BI, BK, BLOCK_E, UP_PRECISION, SAVE_UP, JOINT_GU, GATHER_UP)
             elif kind == 4:  # ---- DOWN
                 b = idx // hb_per
                 nb = grp * hb_per + idx - b * hb_per
@@ -491,7 +518,10 @@ class MoeConfig:
     states, whose weight then goes in as three bf16 parts: split_router_weight). joint_gate_up: the UP tile's gate
     and up blocks loaded as one [2*BI, BK] operand (a 4-D descriptor over gate_up_proj viewed [E, 2, I, H]) and
     multiplied by ONE dot of width 2*BI instead of two of width BI (each output element the same K sum, so the same
-    bits are expected: test_joint_gate_up_bit_identical checks it on the GPU); on in WIDE_FORWARD."""
+    bits are expected: test_joint_gate_up_bit_identical checks it on the GPU); on in WIDE_FORWARD. gather_up: no
+    x_sorted copy; the UP tiles load their x rows from hidden through the sorted row -> token map the SCATTER tasks
+    write (the same values into the same dots: the same bits); saves the copy's T*k*H writes and memory (Qwen3-235B
+    T = 16384: 1 GiB); opt-in, not yet timed on a GPU (RESULTS.md, twentieth session)."""
     bt: int = 64
     bkr: int = 64
     bm: int = 128
@@ -509,6 +539,7 @@ class MoeConfig:
     rbn: int = 128
     bkg: int = 32
     joint_gate_up: bool = False
+    gather_up: bool = False
 
 
 # fp32 (4-byte elements) halves the K blocks; the interpreter wants tiny tiles (every op is numpy)
@@ -789,12 +820,14 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
     counts = torch.empty(n_tiles, E, **i32)
     meta = torch.empty(3 * E, **i32)
     tpe = torch.empty(E, **i32)
-    x_sorted = torch.empty(pairs, H, dtype=gate_up_proj.dtype, device=device)
+    # gather_up: the UP tiles load their rows from hidden through perm (sorted row -> token), no x_sorted
+    x_sorted = torch.empty(1 if cfg.gather_up else pairs, H, dtype=gate_up_proj.dtype, device=device)
+    perm = torch.empty(max(pairs, 1) if cfg.gather_up else 1, **i32)
     act = torch.empty(pairs, I, dtype=down_proj.dtype, device=device)
     saved_up = torch.empty(pairs + E if save_up else 1, two_i, dtype=gate_up_proj.dtype, device=device)
     y = torch.empty(pairs, H, dtype=down_proj.dtype, device=device)
     out = torch.empty(T, H, dtype=hidden.dtype, device=device)
-    x_desc = TensorDescriptor(x_sorted, [pairs, H], [H, 1], [cfg.bm, cfg.bk])
+    x_desc = TensorDescriptor(x_sorted, [x_sorted.shape[0], H], [H, 1], [cfg.bm, cfg.bk])
     if cfg.joint_gate_up:
         gu_desc = TensorDescriptor(gate_up_proj.view(E, 2, I, H), [E, 2, I, H], [two_i * H, I * H, H, 1],
                                    [1, 2, cfg.bi, cfg.bk])
@@ -823,7 +856,7 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
             hidden, hidden.stride(0), rw_arg, rw_arg.stride(-2),
             router_bias if router_bias is not None else router_weight,
             score_correction_bias if score_correction_bias is not None else router_weight, x_desc, gu_desc, down_desc,
-            act_desc, xr_desc, wr_desc, logits_arg, ids, wts, ranks, counts, meta, tpe, x_sorted, act, saved_up, y,
+            act_desc, xr_desc, wr_desc, logits_arg, ids, wts, ranks, counts, meta, tpe, x_sorted, perm, act, saved_up, y,
             out, out.stride(0),
             trace if trace is not None else ids, T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles, mb,
             layout.hb_per)
@@ -831,7 +864,7 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
                    BK=cfg.bk, BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=bool(save_up),
                    USE_ASM=not interp, FOLD_GROUPS=layout.groups, ROUTER_GEMM=bool(cfg.router_gemm),
                    RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, JOINT_GU=bool(cfg.joint_gate_up),
-                   TRACE=trace is not None,
+                   GATHER_UP=bool(cfg.gather_up), TRACE=trace is not None,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P,)
     runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,

@@ -398,7 +398,8 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        DOWN_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, USE_ASM: tl.constexpr,
                        FOLD_GROUPS: tl.constexpr, ROUTER_GEMM: tl.constexpr, RGEMM_TMA: tl.constexpr,
                        RBM: tl.constexpr, RBN: tl.constexpr, BKG: tl.constexpr, JOINT_GU: tl.constexpr,
-                       GATHER_UP: tl.constexpr = False, TRACE: tl.constexpr = False):
+                       GATHER_UP: tl.constexpr = False,
+                       EARLY_CLAIM: tl.constexpr = False, TRACE: tl.constexpr = False):
     err_host = err_host.to(tl.pointer_type(tl.int32))  # host-mapped (pinned) mirror
     err = ctrl + C_ERR
     n_iblk = tl.cdiv(I, BI)
@@ -419,6 +420,9 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
     logits_ready = 0  # the RGEMM tasks seen complete (ROUTE waits for them with ROUTER_GEMM)
     t = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
     while (t < n_tasks) & (status == 0):
+        t_next = t
+        if EARLY_CLAIM:  # the next claim's round trip overlaps this task (MoeConfig.early_claim)
+            t_next = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
         u = t - n_rg
         kind, grp, idx = _task_kind(tl.maximum(u, 0), scan_task, scatter0, up0, down0, n_down, n_tiles, FOLD_GROUPS)
         kind = tl.where(u < 0, 6, kind)
@@ -490,7 +494,10 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
         if status == ERR_TIMEOUT:
             _record_error(ctrl, err_host, t)
         if status == 0:
-            t = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
+            if EARLY_CLAIM:
+                t = t_next
+            else:
+                t = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
     if (status == 0) & (pend > 0):
         _publish(ctrl + pend_word, pend, USE_ASM)
     # count out; the last program zeroes every counter for the next launch (graph replays included)
@@ -521,7 +528,11 @@ class MoeConfig:
     bits are expected: test_joint_gate_up_bit_identical checks it on the GPU); on in WIDE_FORWARD. gather_up: no
     x_sorted copy; the UP tiles load their x rows from hidden through the sorted row -> token map the SCATTER tasks
     write (the same values into the same dots: the same bits); saves the copy's T*k*H writes and memory (Qwen3-235B
-    T = 16384: 1 GiB); opt-in, not yet timed on a GPU (RESULTS.md, twentieth session)."""
+    T = 16384: 1 GiB); opt-in, not yet timed on a GPU (RESULTS.md, twentieth session). early_claim: a program
+    claims its next task when it starts one, so the claim's atomic round trip (between tasks: 1.4% of the SM-time
+    of the UP phase, 3.4% of the DOWN phase, twentieth session's trace) overlaps the task; a held claim never blocks
+    (every task waits only on tasks of lower index and lower kind, and the program holding one runs it right after a
+    task of lower index); opt-in, not yet timed on a GPU."""
     bt: int = 64
     bkr: int = 64
     bm: int = 128
@@ -540,6 +551,7 @@ class MoeConfig:
     bkg: int = 32
     joint_gate_up: bool = False
     gather_up: bool = False
+    early_claim: bool = False
 
 
 # fp32 (4-byte elements) halves the K blocks; the interpreter wants tiny tiles (every op is numpy)
@@ -864,7 +876,7 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
                    BK=cfg.bk, BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=bool(save_up),
                    USE_ASM=not interp, FOLD_GROUPS=layout.groups, ROUTER_GEMM=bool(cfg.router_gemm),
                    RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, JOINT_GU=bool(cfg.joint_gate_up),
-                   GATHER_UP=bool(cfg.gather_up), TRACE=trace is not None,
+                   GATHER_UP=bool(cfg.gather_up), EARLY_CLAIM=bool(cfg.early_claim), TRACE=trace is not None,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P,)
     runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,

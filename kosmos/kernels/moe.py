@@ -277,15 +277,12 @@ def _up_epilogue(acc_g, acc_u, row0, row_end, e, ib, act, saved_up, I, W: tl.con
 
 
 @triton.jit
-def _x_block(x_desc, a_rows, row0, k0, H, BK: tl.constexpr, XD: tl.constexpr, GATHER_UP: tl.constexpr):
-    """The UP tile's [BM, BK] block of x at K offset k0: through TMA from x_sorted, or with GATHER_UP loaded from
-    the token rows a_rows ([BM, 1] pointers into hidden) and cast to XD (gate_up_proj's dtype, as the SCATTER
-    tasks cast x_sorted)."""
-    if GATHER_UP:
-        ks = k0 + tl.arange(0, BK)
-        return tl.load(a_rows + ks[None, :], mask=(ks < H)[None, :], other=0.0).to(XD)
-    else:
-        return x_desc.load([row0, k0])
+def _x_gathered(a_rows, k0, H, BK: tl.constexpr, XD: tl.constexpr):
+    """The UP tile's [BM, BK] block of x at K offset k0 with GATHER_UP: loaded from the token rows a_rows ([BM, 1]
+    pointers into hidden) and cast to XD (gate_up_proj's dtype, as the SCATTER tasks cast x_sorted). (The TMA load
+    of the default stays inline in _up_rows: behind a helper's constexpr branch ptxas spilled more.)"""
+    ks = k0 + tl.arange(0, BK)
+    return tl.load(a_rows + ks[None, :], mask=(ks < H)[None, :], other=0.0).to(XD)
 
 
 @triton.jit
@@ -308,7 +305,10 @@ def _up_rows(row0, row_end, e, ib, x_desc, gu_desc, act, saved_up, H, I,
     if JOINT_GU:
         acc = tl.zeros((BM, 2 * BI), dtype=tl.float32)
         for k0 in range(0, H, BK):
-            x = _x_block(x_desc, a_rows, row0, k0, H, BK, XD, GATHER_UP)
+            if GATHER_UP:
+                x = _x_gathered(a_rows, k0, H, BK, XD)
+            else:
+                x = x_desc.load([row0, k0])
             w = tl.reshape(gu_desc.load([e, 0, ib * BI, k0]), (2 * BI, BK))
             acc = tl.dot(x, w.T, acc, input_precision=UP_PRECISION)
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BI)), (0, 2, 1)))
@@ -318,7 +318,10 @@ def _up_rows(row0, row_end, e, ib, x_desc, gu_desc, act, saved_up, H, I,
         acc_g = tl.zeros((BM, BI), dtype=tl.float32)
         acc_u = tl.zeros((BM, BI), dtype=tl.float32)
         for k0 in range(0, H, BK):
-            x = _x_block(x_desc, a_rows, row0, k0, H, BK, XD, GATHER_UP)
+            if GATHER_UP:
+                x = _x_gathered(a_rows, k0, H, BK, XD)
+            else:
+                x = x_desc.load([row0, k0])
             g = gu_desc.load([g_row, k0])
             u = gu_desc.load([u_row, k0])
             acc_g = tl.dot(x, g.T, acc_g, input_precision=UP_PRECISION)

@@ -444,49 +444,22 @@ def test_saved_up_bit_identical_over_grid_sizes():
                 assert torch.equal(a, b), programs
 
 
-def test_joint_gate_up_bit_identical():
-    """MoeConfig.joint_gate_up (one wgmma of width 2*BI for the gate and up blocks): the same bits as two dots of
-    width BI (wgmma sums each output element over K the same way whatever the tile width), with saved up rows, on a
-    Qwen3-like and a DeepSeek-V3-like (fp32 router, RGEMM, two fold groups) layer, I with a ragged last chunk; and
-    bit-identical over grid sizes."""
+def _option_keeps_bits(option: dict, seed: int, base_option: dict = None, column_slice: bool = False):
+    """moe_forward with MoeConfig fields `option` gives the same bits as with `base_option` (forward_configs' first
+    config otherwise), with saved up rows, on a Qwen3-like layer over grid sizes and a DeepSeek-V3-like one (fp32
+    router, RGEMM, two fold groups); I = 320 leaves a ragged last chunk; column_slice: hidden with row stride != H."""
     import dataclasses
 
     from kosmos.kernels import moe
 
-    h, rw, gu, d = make(3000, 1024, 320, 64, torch.bfloat16, seed=9)
-    base = dataclasses.replace(moe.forward_configs(h, gu)[0], joint_gate_up=False)
-    kw = dict(return_router_logits=True, return_routing=True, save_up=True)
-    first = moe.moe_forward(h, rw, None, None, gu, d, 8, config=base, **kw)
-    joint = dataclasses.replace(base, joint_gate_up=True)
-    for programs in (None, 7):
-        again = moe.moe_forward(h, rw, None, None, gu, d, 8, config=joint, programs=programs, **kw)
-        for a, b in zip(first, again):
-            assert torch.equal(a, b), programs
-    cfg = dataclasses.replace(base, fold_groups=2, router_gemm=1)
-    args = (h, rw.float(), None, torch.zeros(64, device="cuda"), gu, d, 8)
-    kw.update(scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5, router_dtype=torch.float32)
-    first = moe.moe_forward(*args, config=cfg, **kw)
-    again = moe.moe_forward(*args, config=dataclasses.replace(cfg, joint_gate_up=True), **kw)
-    for a, b in zip(first, again):
-        assert torch.equal(a, b)
-
-
-def test_gather_up_bit_identical():
-    """MoeConfig.gather_up (the UP tiles' x rows loaded from hidden through the sorted row -> token map, no x_sorted
-    copy): the same bits as the default, with saved up rows, on a Qwen3-like and a DeepSeek-V3-like (fp32 router,
-    RGEMM, two fold groups) layer, I with a ragged last chunk, hidden a column slice (row stride != H); over grid
-    sizes."""
-    import dataclasses
-
-    from kosmos.kernels import moe
-
-    h, rw, gu, d = make(3000, 1024, 320, 64, torch.bfloat16, seed=11)
-    h = torch.nn.functional.pad(h, (0, 64))[:, :1024]
-    base = moe.forward_configs(h, gu)[0]
+    h, rw, gu, d = make(3000, 1024, 320, 64, torch.bfloat16, seed=seed)
+    if column_slice:
+        h = torch.nn.functional.pad(h, (0, 64))[:, :1024]
+    base = dataclasses.replace(moe.forward_configs(h, gu)[0], **(base_option or {}))
     kw = dict(return_router_logits=True, return_routing=True, save_up=True)
     first = moe.moe_forward(h, rw, None, None, gu, d, 8, config=base, **kw)
     for programs in (None, 7):
-        again = moe.moe_forward(h, rw, None, None, gu, d, 8, config=dataclasses.replace(base, gather_up=True),
+        again = moe.moe_forward(h, rw, None, None, gu, d, 8, config=dataclasses.replace(base, **option),
                                 programs=programs, **kw)
         for a, b in zip(first, again):
             assert torch.equal(a, b), programs
@@ -494,9 +467,21 @@ def test_gather_up_bit_identical():
     args = (h, rw.float(), None, torch.zeros(64, device="cuda"), gu, d, 8)
     kw.update(scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5, router_dtype=torch.float32)
     first = moe.moe_forward(*args, config=cfg, **kw)
-    again = moe.moe_forward(*args, config=dataclasses.replace(cfg, gather_up=True), **kw)
+    again = moe.moe_forward(*args, config=dataclasses.replace(cfg, **option), **kw)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+
+
+def test_joint_gate_up_bit_identical():
+    """MoeConfig.joint_gate_up (one wgmma of width 2*BI for the gate and up blocks): the same bits as two dots of
+    width BI (wgmma sums each output element over K the same way whatever the tile width)."""
+    _option_keeps_bits(dict(joint_gate_up=True), seed=9, base_option=dict(joint_gate_up=False))
+
+
+def test_gather_up_bit_identical():
+    """MoeConfig.gather_up (the UP tiles' x rows loaded from hidden through the sorted row -> token map, no x_sorted
+    copy): the same bits as the default, hidden a column slice (row stride != H)."""
+    _option_keeps_bits(dict(gather_up=True), seed=11, column_slice=True)
 
 
 def test_early_claim_bit_identical():

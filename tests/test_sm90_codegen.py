@@ -102,6 +102,21 @@ def test_gemm_rs(pairs):
     assert rep["spill_stores"] == 0, rep["text"]
 
 
+def _sass_ops(kernel) -> list:
+    """The opcodes of a compiled kernel's sm_90 code, in order (cuobjdump next to triton's ptxas)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas_path()), "cuobjdump"), "-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]+)", sass)
+
+
 # the int arguments of moe_forward_kernel that are multiples of 16 in the models' layers (Triton's JIT specializes
 # them so at the call: Qwen3 / DeepSeek-V3 dims and row strides)
 MOE_DIV16 = ("H", "I", "E", "h_ld", "o_ld", "rw_ld")
@@ -190,10 +205,6 @@ def test_moe_forward_joint_gate_up():
     stores against 400, the same 147480 B of shared memory.)"""
     import collections
     import dataclasses
-    import os
-    import re
-    import subprocess
-    import tempfile
 
     from kosmos.kernels import moe
 
@@ -202,12 +213,7 @@ def test_moe_forward_joint_gate_up():
                                     torch.bfloat16)
     k = _compile_moe_forward(cfg, consts, BF)
     _report(k)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([os.path.join(os.path.dirname(ptxas_path()), "cuobjdump"), "-sass", f.name],
-                              capture_output=True, text=True, check=True).stdout
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]+)", sass)
+    ops = _sass_ops(k)
     # 4 in the DOWN K loop and 4 in the UP K loop (the default build: 4, and 8 of width 128 in its UP loop)
     assert ops.count("HGMMA.64x256x16.F32.BF16") == 8, sorted({op for op in ops if op.startswith("HGMMA")})
     stores = collections.Counter(op for op in ops if op.startswith("STG"))
@@ -219,10 +225,6 @@ def test_moe_forward_gather_up():
     cp.async (LDGSTS, 16-byte vectors) beside the weight's TMA loads; no wgmma serialization, the same shared memory
     as the TMA build. (ptxas, triton 3.6.0: 288 bytes of spill stores against 336, 147480 B of shared memory.)"""
     import dataclasses
-    import os
-    import re
-    import subprocess
-    import tempfile
 
     from kosmos.kernels import moe
 
@@ -232,11 +234,6 @@ def test_moe_forward_gather_up():
     k = _compile_moe_forward(cfg, consts, BF)
     _report(k)
     assert k.metadata.shared <= 227 * 1024
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([os.path.join(os.path.dirname(ptxas_path()), "cuobjdump"), "-sass", f.name],
-                              capture_output=True, text=True, check=True).stdout
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]+)", sass)
+    ops = _sass_ops(k)
     assert "LDGSTS.E.BYPASS.128" in ops
     assert ops.count("HGMMA.64x256x16.F32.BF16") == 8

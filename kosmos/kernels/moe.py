@@ -871,8 +871,8 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
             hidden, hidden.stride(0), rw_arg, rw_arg.stride(-2),
             router_bias if router_bias is not None else router_weight,
             score_correction_bias if score_correction_bias is not None else router_weight, x_desc, gu_desc, down_desc,
-            act_desc, xr_desc, wr_desc, logits_arg, ids, wts, ranks, counts, meta, tpe, x_sorted, perm, act, saved_up, y,
-            out, out.stride(0),
+            act_desc, xr_desc, wr_desc, logits_arg, ids, wts, ranks, counts, meta, tpe, x_sorted, perm, act, saved_up,
+            y, out, out.stride(0),
             trace if trace is not None else ids, T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles, mb,
             layout.hb_per)
     meta_kw = dict(**consts, RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi,

@@ -117,6 +117,22 @@ def _sass_ops(kernel) -> list:
     return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]+)", sass)
 
 
+def _qwen3_routing() -> dict:
+    """moe_forward_kernel's routing constexprs for a Qwen3 layer: softmax top-8 of 128 experts, renormalised, bf16."""
+    from kosmos.kernels import moe
+
+    return moe.routing_constexprs("softmax", True, 1, 1, 1.0, torch.bfloat16, None, None, 8, 128, torch.bfloat16,
+                                  torch.bfloat16)
+
+
+def _deepseek_v3_routing() -> dict:
+    """The same for DeepSeek-V3: fp32 sigmoid router with correction bias, top-8 of 256 in 8 groups (top 4), x2.5."""
+    from kosmos.kernels import moe
+
+    return moe.routing_constexprs("sigmoid", True, 8, 4, 2.5, torch.float32, None, torch.zeros(1), 8, 256,
+                                  torch.bfloat16, torch.bfloat16, torch.bfloat16)
+
+
 # the int arguments of moe_forward_kernel that are multiples of 16 in the models' layers (Triton's JIT specializes
 # them so at the call: Qwen3 / DeepSeek-V3 dims and row strides)
 MOE_DIV16 = ("H", "I", "E", "h_ld", "o_ld", "rw_ld")
@@ -160,8 +176,7 @@ def test_moe_forward(fold_groups, early_claim):
 
     cfg = dataclasses.replace(moe.CONFIGS["default"], fold_groups=fold_groups, early_claim=early_claim,
                               **moe.WIDE_FORWARD)
-    consts = moe.routing_constexprs("softmax", True, 1, 1, 1.0, torch.bfloat16, None, None, 8, 128, torch.bfloat16,
-                                    torch.bfloat16)
+    consts = _qwen3_routing()
     _report(_compile_moe_forward(cfg, consts, BF))
 
 
@@ -174,8 +189,7 @@ def test_moe_forward_deepseek_router():
     from kosmos.kernels import moe
 
     cfg = dataclasses.replace(moe.CONFIGS["default"], bt=32, **moe.WIDE_FORWARD)
-    consts = moe.routing_constexprs("sigmoid", True, 8, 4, 2.5, torch.float32, None, torch.zeros(1), 8, 256,
-                                    torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    consts = _deepseek_v3_routing()
     assert consts["ROUTER_PRECISION"] == "tf32x3"
     _report(_compile_moe_forward(cfg, consts, "fp32"))
 
@@ -190,8 +204,7 @@ def test_moe_forward_deepseek_router_gemm():
     from kosmos.kernels import moe
 
     cfg = dataclasses.replace(moe.CONFIGS["default"], bt=32, fold_groups=2, router_gemm=1, **moe.WIDE_FORWARD)
-    consts = moe.routing_constexprs("sigmoid", True, 8, 4, 2.5, torch.float32, None, torch.zeros(1), 8, 256,
-                                    torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    consts = _deepseek_v3_routing()
     consts["ROUTER_PRECISION"] = "bf16x3"
     _report(_compile_moe_forward(cfg, consts, "fp32", router_weight=BF))
 
@@ -209,8 +222,7 @@ def test_moe_forward_joint_gate_up():
     from kosmos.kernels import moe
 
     cfg = dataclasses.replace(moe.CONFIGS["default"], **moe.WIDE_FORWARD)
-    consts = moe.routing_constexprs("softmax", True, 1, 1, 1.0, torch.bfloat16, None, None, 8, 128, torch.bfloat16,
-                                    torch.bfloat16)
+    consts = _qwen3_routing()
     k = _compile_moe_forward(cfg, consts, BF)
     _report(k)
     ops = _sass_ops(k)
@@ -229,8 +241,7 @@ def test_moe_forward_gather_up():
     from kosmos.kernels import moe
 
     cfg = dataclasses.replace(moe.CONFIGS["default"], gather_up=True, **moe.WIDE_FORWARD)
-    consts = moe.routing_constexprs("softmax", True, 1, 1, 1.0, torch.bfloat16, None, None, 8, 128, torch.bfloat16,
-                                    torch.bfloat16)
+    consts = _qwen3_routing()
     k = _compile_moe_forward(cfg, consts, BF)
     _report(k)
     assert k.metadata.shared <= 227 * 1024

@@ -9,6 +9,9 @@ time divided by the steps, largest first (--top of them), with the sum over all 
 profiler are device times of the kernels themselves: gaps between kernels (launch cost, host sync) are not in
 the sum, so the sum can be below the layer's time in benchmarks/moe.py.
 
+--gaps: also where the device idles inside the profiled steps: the span of the steps' kernels, the time no kernel
+runs (launch gaps, host syncs, host-bound stretches), and the largest gaps with the kernels on either side.
+
 --ops NAME (e.g. _grouped_mm): also the ops whose name contains NAME, one line per op and input shapes, with
 their calls and their kernels' device time per step (record_shapes; on the CPU their CPU time): which of a
 variant's grouped matmuls is slow, and with which operand shapes.
@@ -51,6 +54,39 @@ def kernel_times(step, steps: int, device: str) -> dict:
     return dict(totals)
 
 
+def timeline_gaps(step, steps: int, device: str, top: int = 8) -> dict:
+    """span / busy / idle ms per step of the GPU kernels of `steps` back-to-back calls of step(), and the `top`
+    largest idle gaps as (us, kernel before, kernel after). On the CPU the same over the CPU ops (a smoke test)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    for _ in range(3):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    kernels = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events() if ev.device_type == kind)
+    gaps, busy, reach, before = [], 0.0, None, None
+    for start, end, name in kernels:
+        if reach is None or start > reach:
+            if reach is not None:
+                gaps.append((start - reach, before, name))
+            busy += end - start
+            reach, before = end, name
+        elif end > reach:
+            busy += end - reach
+            reach, before = end, name
+    span = (reach - kernels[0][0]) if kernels else 0.0
+    gaps.sort(key=lambda g: -g[0])
+    return dict(span_ms=span / 1000.0 / steps, busy_ms=busy / 1000.0 / steps, idle_ms=(span - busy) / 1000.0 / steps,
+                gaps=[(round(us, 1), a[:60], b[:60]) for us, a, b in gaps[:top]])
+
+
 def op_times(step, steps: int, device: str, match: str) -> dict:
     """(op name, input shapes) -> (calls per step, device ms per step of its kernels) for every op whose name
     contains `match` (CPU ms per step on the CPU)."""
@@ -78,6 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--ops", default="", help="also time the ops whose name contains this, by input shapes")
+    p.add_argument("--gaps", action="store_true", help="also the device's idle time between kernels")
     p.add_argument("--json", default="")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, fp32: checks the script runs")
     args = p.parse_args(argv)
@@ -112,6 +149,13 @@ def main(argv=None) -> int:
                         print(f"\n## {layer} T={T} {name} {kind}: kernels sum {total:.3f} ms/step", flush=True)
                         for k, ms in sorted(times.items(), key=lambda kv: -kv[1])[:args.top]:
                             print(f"{ms:9.3f} ms {100 * ms / max(total, 1e-9):5.1f}%  {k[:110]}", flush=True)
+                        if args.gaps:
+                            tl = timeline_gaps(step, args.steps, device)
+                            out[-1]["timeline"] = tl
+                            print(f"   span {tl['span_ms']:.3f} busy {tl['busy_ms']:.3f} idle {tl['idle_ms']:.3f}"
+                                  " ms/step; largest gaps (us, before, after):", flush=True)
+                            for gap in tl["gaps"]:
+                                print(f"   gap {gap[0]:8.1f}  {gap[1]}  ->  {gap[2]}", flush=True)
                         if args.ops:
                             ops = op_times(step, args.steps, device, args.ops)
                             out[-1]["ops"] = {f"{k[0]} {k[1]}": v for k, v in ops.items()}

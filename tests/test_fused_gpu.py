@@ -323,8 +323,14 @@ def test_dim1_untiled_rows_rejected_by_launcher():
 # ------------------------------------------------------------------------------------------------ faults
 
 
+FAULT_SECONDS = 10.0
+
+
 def _timed_fault(monkeypatch, warm, fn, bound_s):
-    """Runs warm() (compiles the kernel for this bound's argument type), then times fn() until it raises."""
+    """Runs warm() (compiles the kernel for this bound's argument type), then times fn() until it raises. The
+    callers check the time against FAULT_SECONDS, far under the 20 s default bound restored here: the short bound
+    applied. Not bound + a little: the suite runs its groups side by side on one GPU, and a call there waited 2.7 s
+    for a 0.25 s bound (the twenty-first session)."""
     runtime.set_spin_timeout(bound_s)
     try:
         warm()
@@ -354,7 +360,7 @@ def test_missing_signal_raises_ag(monkeypatch):
     # the first spin past the bound is the pull of that block or a tile waiting for the pulled block (the
     # grid claims this small stream at once, so either may start spinning first)
     assert task == (queue.PULL, 1, 0, 0) or (task[0] == queue.TILE and task[1:3] == (1, 0)), (err.rank, task)
-    assert elapsed < bound + 2.0, elapsed
+    assert elapsed < FAULT_SECONDS, elapsed
     with pytest.raises(WorkspaceBroken):
         sw.ag_gemm(a, ws, bs)
 
@@ -370,7 +376,7 @@ def test_missing_signal_raises_rs(monkeypatch):
     assert (err.op, err.rank) == ("gemm_rs", 1)
     stream = queue.gemm_rs_stream(1, W, 2, 2, gemm_rs.rs_config(W * 136, 264, [256], torch.bfloat16, W).group_m)
     assert stream[err.task] == (queue.REDUCE, 1, 0, 0), stream[err.task]
-    assert elapsed < bound + 2.0, elapsed
+    assert elapsed < FAULT_SECONDS, elapsed
 
 
 def test_timeout_reported_at_next_call_without_debug_sync(monkeypatch):

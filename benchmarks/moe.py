@@ -7,6 +7,12 @@ and dense GEMMs of the same FLOPs.
     PYTHONPATH=. python3 benchmarks/moe.py --only qwen3_235b --ts 16384 --json out.json --plot moe.png
     PYTHONPATH=. python3 benchmarks/moe.py --tiny                # CPU smoke run of the script itself (no timing)
     PYTHONPATH=. python3 benchmarks/moe.py --ep 2,4,8 --ts 16384   # EP mode in SimWorld (benchmarks/moe_ep.py)
+    PYTHONPATH=. python3 benchmarks/moe.py --cudagraphs --modes kosmos_default --ts 4096   # both in CUDA graphs
+
+--cudagraphs compiles Inductor with mode="reduce-overhead" and kosmos with options={"inductor_config":
+{"triton.cudagraphs": True}} (Inductor's CUDA graph trees under both; a step starts with
+torch.compiler.cudagraph_mark_step_begin()): the host's launch work leaves the timed steps. A replay does not run
+the op's Python, so the kosmos mode that ran when the graph was recorded is the one replayed: one --modes entry.
 
 Layers: Qwen3-30B-A3B (H 2048, I 768, 128 experts, top-8), Qwen3-235B (H 4096, I 1536, 128, top-8),
 DeepSeek-V3 (H 7168, I 2048, 256 experts, top-8, 1 shared expert; group-limited sigmoid router). Random weights
@@ -89,11 +95,15 @@ def peak_gib(step, args) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
-def variants(block):
-    """name -> callable(x) -> out, each compiled once."""
+def variants(block, cudagraphs: bool = False):
+    """name -> callable(x) -> out, each compiled once (Inductor's CUDA graph trees under both with cudagraphs)."""
     import kosmos  # noqa: F401  (registers the backend)
 
     torch._dynamo.reset()
+    if cudagraphs:
+        return {"hf_eager": block, "inductor": torch.compile(block, mode="reduce-overhead"),
+                "kosmos": torch.compile(block, backend="kosmos",
+                                        options={"inductor_config": {"triton.cudagraphs": True}})}
     return {"hf_eager": block, "inductor": torch.compile(block), "kosmos": torch.compile(block, backend="kosmos")}
 
 
@@ -115,8 +125,11 @@ def run_cell(layer: str, T: int, args) -> dict:
     x = torch.randn(1, T, d["H"], device=device, dtype=dtype, requires_grad=True)
     g = torch.randn_like(x)
     res = {"layer": layer, "T": T, "timing": "synced" if args.synced else "stream", **d}
+    if args.cudagraphs:
+        res["cudagraphs"] = True
     kosmos.reset_report()
-    fns = variants(block)
+    fns = variants(block, args.cudagraphs)
+    step_begin = torch.compiler.cudagraph_mark_step_begin if args.cudagraphs else (lambda: None)
     runs = {name: fns[name] for name in ("hf_eager", "inductor") if name in args.baselines}
     runs.update({mode: fns["kosmos"] for mode in KOSMOS_MODES if mode in args.modes})
     params = [x] + list(block.parameters())
@@ -127,10 +140,17 @@ def run_cell(layer: str, T: int, args) -> dict:
         with fused_env(KOSMOS_MODES[name]) if name in KOSMOS_MODES else contextlib.nullcontext():
             kosmos.reset_report()
             with torch.no_grad():
+                step_begin()
                 res[f"err_{name}"] = rel_err(f(x), ref)
-                res[f"fwd_{name}"] = timed(lambda: f(x), args)
+
+                def fwd(f=f):
+                    step_begin()
+                    return f(x)
+
+                res[f"fwd_{name}"] = timed(fwd, args)
 
             def step(f=f):
+                step_begin()
                 out = f(x)
                 torch.autograd.grad(out, params, g, allow_unused=True)
 
@@ -197,6 +217,8 @@ def main(argv=None) -> int:
     p.add_argument("--synced", action="store_true",
                    help="wait for each timed call before the next (the ninth to thirteenth sessions' timing; default: "
                         "calls back to back, one sync at the end, as triton's do_bench)")
+    p.add_argument("--cudagraphs", action="store_true",
+                   help="Inductor and kosmos both under Inductor's CUDA graph trees (one kosmos mode)")
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, fp32: checks the script runs (no timing)")
@@ -209,6 +231,8 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.modes) - set(KOSMOS_MODES))
     if unknown:
         p.error(f"unknown --modes {unknown}; known: {list(KOSMOS_MODES)}")
+    if args.cudagraphs and len(args.modes) != 1:
+        p.error("--cudagraphs times one kosmos mode (a replay does not run the op's Python): give one --modes entry")
     if args.ep:
         import moe_ep
 

@@ -1,8 +1,9 @@
 """The fused MoE backward kernel (kosmos.kernels.moe_backward) on one CUDA GPU (sm_90+) against the reference
 `moe_layer_backward` math of kosmos.ops.moe: bf16 / fp32 (and fp16), ragged T, empty experts, skewed routing, top-1,
 router bias / scaling / no renorm / grad_router_logits, sigmoid (DeepSeek-V3) routing, bit-identical reruns over grid
-sizes, a CUDA graph replayed on changing inputs, counters left zeroed after many launches, and torch.compile of a
-tiny HF Qwen3-MoE TRAINING step with KOSMOS_FUSED_MOE=1 where both directions report the fused impl.
+sizes, a CUDA graph replayed on changing inputs, counters left zeroed after many launches, torch.compile of a
+tiny HF Qwen3-MoE TRAINING step with KOSMOS_FUSED_MOE=1 where both directions report the fused impl, and the same
+model's training steps under Inductor's CUDA graph trees (default mode).
 
 The backward recomputes the routing on the GPU; a near-tie between two experts may resolve differently from the
 reference's torch routing, which would change whole rows of the gradients without being an error of the backward.
@@ -260,3 +261,51 @@ def test_compiled_tiny_qwen3_moe_training_step_runs_fused(monkeypatch):
     assert grads.keys() == eager_grads.keys()
     for name, g in grads.items():
         assert rel_err(g, eager_grads[name]) <= 1e-3, name
+
+
+def test_compiled_training_steps_under_cuda_graph_trees(monkeypatch):
+    """backend="kosmos" with options={"inductor_config": {"triton.cudagraphs": True}} (what benchmarks/moe.py
+    --cudagraphs times): Inductor's CUDA graph trees take the kosmos graphs (no cudagraph skip: the backward's
+    in-place write into saved_up is a write into a tensor the forward's graph recorded), and replays with new token
+    ids give eager's loss and grads at every step, the forward's fused impl recorded (default mode)."""
+    pytest.importorskip("transformers")
+    import kosmos
+    from torch._dynamo.utils import counters
+
+    from test_moe_pass import tiny_qwen3_moe
+
+    monkeypatch.delenv("KOSMOS_FUSED_MOE", raising=False)
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 128, (2, 8), generator=g).cuda() for _ in range(4)]
+
+    def step(model, params, ids):
+        params.zero_grad(set_to_none=True)
+        logits = model(ids).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 ids[:, 1:].reshape(-1))
+        loss.backward()
+        return loss.detach().clone(), {n: p.grad.detach().float().clone() for n, p in params.named_parameters()
+                                       if p.grad is not None}
+
+    eager_model = tiny_qwen3_moe(torch.float32).cuda().train()
+    model = tiny_qwen3_moe(torch.float32).cuda().train()  # the same seed: the same weights
+    torch._dynamo.reset()
+    counters.clear()
+    kosmos.reset_report()
+    compiled = torch.compile(model, backend="kosmos", options={"inductor_config": {"triton.cudagraphs": True}})
+    for i, ids in enumerate(batches):
+        torch.compiler.cudagraph_mark_step_begin()
+        loss, grads = step(compiled, model, ids)
+        eager_loss, eager_grads = step(eager_model, eager_model, ids)
+        assert abs(loss.item() - eager_loss.item()) <= 1e-4 * max(1.0, abs(eager_loss.item())), i
+        assert grads.keys() == eager_grads.keys()
+        for name, grad in grads.items():
+            assert rel_err(grad, eager_grads[name]) <= 1e-3, (i, name)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    from torch._inductor.cudagraph_trees import get_manager
+
+    manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None and manager.roots, "no CUDA graph was recorded"
+    runs = kosmos.report().runtime
+    fwd = {k for k in runs if k[0] == "moe_layer"}
+    assert fwd and all(k[1] == "fused" for k in fwd), runs

@@ -265,12 +265,15 @@ def test_compiled_tiny_qwen3_moe_training_step_runs_fused(monkeypatch):
 
 def test_compiled_training_steps_under_cuda_graph_trees(monkeypatch):
     """backend="kosmos" with options={"inductor_config": {"triton.cudagraphs": True}} (what benchmarks/moe.py
-    --cudagraphs times): Inductor's CUDA graph trees take the kosmos graphs (no cudagraph skip: the backward's
-    in-place write into saved_up is a write into a tensor the forward's graph recorded), and replays with new token
-    ids give eager's loss and grads at every step, the forward's fused impl recorded (default mode)."""
+    --cudagraphs times), bf16 (the default backward's grouped matmuls are CUTLASS's there: no host sync; fp32's
+    per-expert loop reads the group sizes on the host and cannot be captured): Inductor's CUDA graph trees take the
+    kosmos graphs (no cudagraph skip: the backward's in-place write into saved_up is a write into a tensor the
+    forward's graph recorded), and replays with new token ids give the loss and grads of the same model compiled
+    without CUDA graphs (same kernels, same routing) at every step, the forward's fused impl recorded."""
     pytest.importorskip("transformers")
     import kosmos
     from torch._dynamo.utils import counters
+    from torch._inductor.cudagraph_trees import get_manager
 
     from test_moe_pass import tiny_qwen3_moe
 
@@ -287,23 +290,22 @@ def test_compiled_training_steps_under_cuda_graph_trees(monkeypatch):
         return loss.detach().clone(), {n: p.grad.detach().float().clone() for n, p in params.named_parameters()
                                        if p.grad is not None}
 
-    eager_model = tiny_qwen3_moe(torch.float32).cuda().train()
-    model = tiny_qwen3_moe(torch.float32).cuda().train()  # the same seed: the same weights
     torch._dynamo.reset()
     counters.clear()
     kosmos.reset_report()
-    compiled = torch.compile(model, backend="kosmos", options={"inductor_config": {"triton.cudagraphs": True}})
+    plain_model = tiny_qwen3_moe(torch.bfloat16).cuda().train()
+    graph_model = tiny_qwen3_moe(torch.bfloat16).cuda().train()  # the same seed: the same weights
+    plain = torch.compile(plain_model, backend="kosmos")
+    graphed = torch.compile(graph_model, backend="kosmos", options={"inductor_config": {"triton.cudagraphs": True}})
     for i, ids in enumerate(batches):
+        want_loss, want_grads = step(plain, plain_model, ids)
         torch.compiler.cudagraph_mark_step_begin()
-        loss, grads = step(compiled, model, ids)
-        eager_loss, eager_grads = step(eager_model, eager_model, ids)
-        assert abs(loss.item() - eager_loss.item()) <= 1e-4 * max(1.0, abs(eager_loss.item())), i
-        assert grads.keys() == eager_grads.keys()
+        loss, grads = step(graphed, graph_model, ids)
+        assert abs(loss.item() - want_loss.item()) <= 1e-3 * max(1.0, abs(want_loss.item())), i
+        assert grads.keys() == want_grads.keys()
         for name, grad in grads.items():
-            assert rel_err(grad, eager_grads[name]) <= 1e-3, (i, name)
+            assert rel_err(grad, want_grads[name]) <= 1e-2, (i, name)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
-    from torch._inductor.cudagraph_trees import get_manager
-
     manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     assert manager is not None and manager.roots, "no CUDA graph was recorded"
     runs = kosmos.report().runtime

@@ -380,6 +380,33 @@ def test_gpu_grouped_no_host_sync():
     assert not out[:100].any() and not grads[1][:100].any()  # sentinel tokens: nothing computed, zero d_weights
 
 
+def test_loop_refuses_a_cuda_graph_capture(monkeypatch):
+    """The per-group loop reads the group sizes on the host: inside a CUDA graph capture (dispatch.capturing) it
+    raises kosmos's error naming the loop, before any host read."""
+    from kosmos.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "capturing", lambda t: True)
+    groups = moe_math._Groups(torch.tensor([2, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="per-expert matmul loop .* CUDA graph capture"):
+        groups.sizes()
+    assert moe_math._Groups(torch.tensor([2, 5]), sizes=[2, 3]).sizes() == [2, 3]  # known sizes: no host read
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_loop_in_a_capture_raises_kosmos_error():
+    """fp32 takes the per-group loop: captured in a CUDA graph, the backward raises kosmos's error (not CUDA's)."""
+    case = make(256, 128, 64, 16, 4, torch.float32, "random", device="cuda")
+    hidden, ids, weights, gate_up, down, grad_out = case
+    moe_math.experts_backward(grad_out, hidden, ids, weights, gate_up, down)  # warm: allocations, kernels
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="kosmos: .*per-expert matmul loop"):
+        with torch.cuda.graph(graph):
+            moe_math.experts_backward(grad_out, hidden, ids, weights, gate_up, down)
+    torch.cuda.synchronize()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

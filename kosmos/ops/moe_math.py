@@ -164,6 +164,9 @@ class _Groups:
     def sizes(self) -> list:
         """Host group sizes, for the per-group loop: one host sync per op call where they are not known."""
         if self._sizes is None:
+            dispatch.refuse_host_read_in_capture(
+                self.ends, "the MoE reference's per-expert matmul loop (taken for dtypes other than bf16 on sm90 / "
+                "sm100, and for operands autograd records; the fused backward, KOSMOS_FUSED_MOE=1, has none)")
             self._sizes = torch.diff(self.ends, prepend=self.ends.new_zeros(1)).tolist()
         return self._sizes
 
@@ -464,6 +467,7 @@ class _EpPlan:
         recv_counts = _all_to_all(self.counts, [num_local] * ep_world_size, [num_local] * ep_world_size, group_name)
         recv_counts = recv_counts.view(ep_world_size, num_local)
         # the reference path's one host sync: all_to_all_single takes host split sizes
+        dispatch.refuse_host_read_in_capture(self.counts, "the expert-parallel reference impl's split sizes")
         send = self.counts.view(ep_world_size, num_local).sum(1).tolist()
         recv = recv_counts.tolist()
         self.send_splits, self.recv_splits = send, [sum(row) for row in recv]

@@ -382,7 +382,8 @@ def test_gpu_grouped_no_host_sync():
 
 def test_loop_refuses_a_cuda_graph_capture(monkeypatch):
     """The per-group loop reads the group sizes on the host: inside a CUDA graph capture (dispatch.capturing) it
-    raises kosmos's error naming the loop, before any host read."""
+    raises kosmos's error naming the loop, before any host read; so does the EP reference's plan, before its
+    bincount and its collectives."""
     from kosmos.ops import dispatch
 
     monkeypatch.setattr(dispatch, "capturing", lambda t: True)
@@ -390,6 +391,8 @@ def test_loop_refuses_a_cuda_graph_capture(monkeypatch):
     with pytest.raises(RuntimeError, match="per-expert matmul loop .* CUDA graph capture"):
         groups.sizes()
     assert moe_math._Groups(torch.tensor([2, 5]), sizes=[2, 3]).sizes() == [2, 3]  # known sizes: no host read
+    with pytest.raises(RuntimeError, match="expert-parallel reference impl's split sizes"):  # before any collective
+        moe_math._EpPlan(torch.zeros(4, 2, dtype=torch.long), 2, "no_such_group", 2)
 
 
 @pytest.mark.gpu

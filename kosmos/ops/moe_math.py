@@ -456,6 +456,8 @@ class _EpPlan:
     many rows local expert j gets, `groups` the same as the local experts' row groups."""
 
     def __init__(self, topk_ids: torch.Tensor, num_local: int, group_name: str, ep_world_size: int):
+        # before bincount, whose output size is read on the host too
+        dispatch.refuse_host_read_in_capture(topk_ids, "the expert-parallel reference impl's split sizes")
         num_experts = num_local * ep_world_size
         expert_ids = topk_ids.reshape(-1).long()
         _, self.perm = torch.sort(expert_ids, stable=True)
@@ -467,7 +469,6 @@ class _EpPlan:
         recv_counts = _all_to_all(self.counts, [num_local] * ep_world_size, [num_local] * ep_world_size, group_name)
         recv_counts = recv_counts.view(ep_world_size, num_local)
         # the reference path's one host sync: all_to_all_single takes host split sizes
-        dispatch.refuse_host_read_in_capture(self.counts, "the expert-parallel reference impl's split sizes")
         send = self.counts.view(ep_world_size, num_local).sum(1).tolist()
         recv = recv_counts.tolist()
         self.send_splits, self.recv_splits = send, [sum(row) for row in recv]

@@ -189,6 +189,8 @@ def table(results) -> str:
             cells.append(f"{times} {r.get(f'{kind}_inductor', float('nan')) / best:>6.2f}")
         peak = f"{r.get('peak_gib_inductor', float('nan')):.2f} / {r.get('peak_gib_kosmos_default', float('nan')):.2f}"
         lines.append(f"{r['layer']:>14} {r['T']:>6} | fwd ms: {cells[0]} | fwd+bwd ms: {cells[1]} | {ok} | {peak}")
+    if any(r.get("cudagraphs") for r in results):
+        lines.append("--cudagraphs: Inductor (reduce-overhead) and kosmos (triton.cudagraphs) in CUDA graph trees")
     lines.append("x ind: Inductor time / the faster kosmos impl; impls that ran: " + "; ".join(
         sorted({i for r in results for m in KOSMOS_MODES for i in r.get(f"impl_{m}", [])}))[:400])
     return "\n".join(lines)

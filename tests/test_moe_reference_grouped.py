@@ -381,12 +381,12 @@ def test_gpu_grouped_no_host_sync():
 
 
 def test_loop_refuses_a_cuda_graph_capture(monkeypatch):
-    """The per-group loop reads the group sizes on the host: inside a CUDA graph capture (dispatch.capturing) it
+    """The per-group loop reads the group sizes on the host: inside a CUDA graph capture (runtime.capturing) it
     raises kosmos's error naming the loop, before any host read; so does the EP reference's plan, before its
     bincount and its collectives."""
-    from kosmos.ops import dispatch
+    from kosmos.kernels import runtime
 
-    monkeypatch.setattr(dispatch, "capturing", lambda t: True)
+    monkeypatch.setattr(runtime, "capturing", lambda device: True)
     groups = moe_math._Groups(torch.tensor([2, 5], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="per-expert matmul loop .* CUDA graph capture"):
         groups.sizes()

@@ -110,6 +110,14 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def refuse_host_read_in_capture(device: torch.device, what: str) -> None:
+    """`what` is about to read device values on the host, which no CUDA graph capture allows: kosmos's error here in
+    place of CUDA's 'operation not permitted when stream is capturing'."""
+    if capturing(device):
+        raise RuntimeError(f"kosmos: {what} reads device values on the host, which a CUDA graph capture (e.g. "
+                           "Inductor's CUDA graph trees) cannot do")
+
+
 def refuse_growth_in_capture(device: torch.device, what: str) -> None:
     """A tensor the fused kernels keep between calls is about to be replaced by a larger one: not while a CUDA graph
     is captured (the graph would hold an address the next call no longer uses)."""

@@ -58,15 +58,3 @@ def try_fused(op: str, device: torch.device, *args) -> tuple[bool, Any]:
     record_run(op, "reference", reason)
     return False, None
 
-
-def capturing(t: torch.Tensor) -> bool:
-    """Whether t lives on a CUDA device whose current stream is capturing a CUDA graph."""
-    return t.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def refuse_host_read_in_capture(t: torch.Tensor, what: str) -> None:
-    """`what` is about to read t's values on the host, which no CUDA graph capture allows: a clear error here in
-    place of CUDA's 'operation not permitted when stream is capturing'."""
-    if capturing(t):
-        raise RuntimeError(f"kosmos: {what} reads device values on the host, which a CUDA graph capture (e.g. "
-                           "Inductor's CUDA graph trees) cannot do")

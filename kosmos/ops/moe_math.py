@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from kosmos.kernels import runtime
 from kosmos.ops import dispatch
 
 _SIGMOID_NORM_EPS = 1e-20  # DeepSeek-V3's renormalisation epsilon
@@ -164,8 +165,8 @@ class _Groups:
     def sizes(self) -> list:
         """Host group sizes, for the per-group loop: one host sync per op call where they are not known."""
         if self._sizes is None:
-            dispatch.refuse_host_read_in_capture(
-                self.ends, "the MoE reference's per-expert matmul loop (taken for dtypes other than bf16 on sm90 / "
+            runtime.refuse_host_read_in_capture(
+                self.ends.device, "the MoE reference's per-expert matmul loop (taken for dtypes other than bf16 on sm90 / "
                 "sm100, and for operands autograd records; the fused backward, KOSMOS_FUSED_MOE=1, has none)")
             self._sizes = torch.diff(self.ends, prepend=self.ends.new_zeros(1)).tolist()
         return self._sizes
@@ -457,7 +458,7 @@ class _EpPlan:
 
     def __init__(self, topk_ids: torch.Tensor, num_local: int, group_name: str, ep_world_size: int):
         # before bincount, whose output size is read on the host too
-        dispatch.refuse_host_read_in_capture(topk_ids, "the expert-parallel reference impl's split sizes")
+        runtime.refuse_host_read_in_capture(topk_ids.device, "the expert-parallel reference impl's split sizes")
         num_experts = num_local * ep_world_size
         expert_ids = topk_ids.reshape(-1).long()
         _, self.perm = torch.sort(expert_ids, stable=True)

@@ -9,7 +9,7 @@ time divided by the steps, largest first (--top of them), with the sum over all 
 profiler are device times of the kernels themselves: gaps between kernels (launch cost, host sync) are not in
 the sum, so the sum can be below the layer's time in benchmarks/moe.py.
 
---gaps: also where the device idles inside the profiled steps: the span of the steps' kernels, the time no kernel
+--gaps: also where the device idles inside the same profiled steps: the span of the steps' kernels, the time no kernel
 runs (launch gaps, host syncs, host-bound stretches), and the largest gaps with the kernels on either side.
 
 --ops NAME (e.g. _grouped_mm): also the ops whose name contains NAME, one line per op and input shapes, with
@@ -31,8 +31,9 @@ from moe import KOSMOS_MODES, LAYERS, build_block, variants
 VARIANTS = ("inductor", "kosmos_ref", "kosmos_default")  # or any other of moe.KOSMOS_MODES
 
 
-def kernel_times(step, steps: int, device: str) -> dict:
-    """name -> device ms per step of every GPU kernel run by `steps` calls of step()."""
+def profiled_events(step, steps: int, device: str) -> list:
+    """The profiler's events of `steps` back-to-back calls of step() after 3 warm-up calls (GPU activity on CUDA,
+    CPU activity on the CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -45,8 +46,13 @@ def kernel_times(step, steps: int, device: str) -> dict:
             step()
         if device == "cuda":
             torch.cuda.synchronize()
+    return list(prof.events())
+
+
+def kernel_totals(events: list, steps: int, device: str) -> dict:
+    """name -> device ms per step of every GPU kernel among `events` (profiled_events of `steps` calls)."""
     totals = collections.Counter()
-    for ev in prof.events():
+    for ev in events:
         if device == "cuda" and ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         us = ev.device_time if device == "cuda" else ev.cpu_time
@@ -54,23 +60,17 @@ def kernel_times(step, steps: int, device: str) -> dict:
     return dict(totals)
 
 
-def timeline_gaps(step, steps: int, device: str, top: int = 8) -> dict:
-    """span / busy / idle ms per step of the GPU kernels of `steps` back-to-back calls of step(), and the `top`
-    largest idle gaps as (us, kernel before, kernel after). On the CPU the same over the CPU ops (a smoke test)."""
-    from torch.profiler import ProfilerActivity, profile
+def kernel_times(step, steps: int, device: str) -> dict:
+    """name -> device ms per step of every GPU kernel run by `steps` calls of step()."""
+    return kernel_totals(profiled_events(step, steps, device), steps, device)
 
-    cuda = device == "cuda"
-    for _ in range(3):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    kernels = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events() if ev.device_type == kind)
+
+def timeline_gaps(events: list, steps: int, device: str, top: int = 8) -> dict:
+    """span / busy / idle ms per step of the GPU kernels among `events` (profiled_events of `steps` back-to-back
+    calls), and the `top` largest idle gaps as (us, kernel before, kernel after). On the CPU the same over the CPU
+    ops (a smoke test)."""
+    kind = torch.autograd.DeviceType.CUDA if device == "cuda" else torch.autograd.DeviceType.CPU
+    kernels = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in events if ev.device_type == kind)
     gaps, busy, reach, before = [], 0.0, None, None
     for start, end, name in kernels:
         if reach is None or start > reach:
@@ -143,14 +143,15 @@ def main(argv=None) -> int:
                         torch.autograd.grad(f(x), params, g, allow_unused=True)
 
                     for kind, step in (("fwd", fwd), ("fwdbwd", fwdbwd)):
-                        times = kernel_times(step, args.steps, device)
+                        events = profiled_events(step, args.steps, device)
+                        times = kernel_totals(events, args.steps, device)
                         total = sum(times.values())
                         out.append(dict(layer=layer, T=T, variant=name, kind=kind, total_ms=total, kernels=times))
                         print(f"\n## {layer} T={T} {name} {kind}: kernels sum {total:.3f} ms/step", flush=True)
                         for k, ms in sorted(times.items(), key=lambda kv: -kv[1])[:args.top]:
                             print(f"{ms:9.3f} ms {100 * ms / max(total, 1e-9):5.1f}%  {k[:110]}", flush=True)
                         if args.gaps:
-                            tl = timeline_gaps(step, args.steps, device)
+                            tl = timeline_gaps(events, args.steps, device)
                             out[-1]["timeline"] = tl
                             print(f"   span {tl['span_ms']:.3f} busy {tl['busy_ms']:.3f} idle {tl['idle_ms']:.3f}"
                                   " ms/step; largest gaps (us, before, after):", flush=True)

@@ -232,9 +232,6 @@ def _agree(group_name: str, hidden: torch.Tensor, local: Optional[str]) -> Optio
     rank refused or the ranks' token counts differ, else None. Collective (every rank of the group must call it):
     one all_reduce (max) of [refused, T, -T] and a host read."""
     T = hidden.shape[0]
-    from kosmos.kernels.runtime import refuse_host_read_in_capture
-
-    refuse_host_read_in_capture(hidden.device, "the expert-parallel group's per-call agreement on the fused kernels")
     mine = torch.tensor([int(local is not None), T, -T], dtype=torch.int64, device=hidden.device)
     fc = torch.ops._c10d_functional
     refused, t_max, neg_t_min = fc.wait_tensor(fc.all_reduce(mine, "max", group_name)).tolist()

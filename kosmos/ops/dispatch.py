@@ -57,4 +57,3 @@ def try_fused(op: str, device: torch.device, *args) -> tuple[bool, Any]:
             return True, out
     record_run(op, "reference", reason)
     return False, None
-

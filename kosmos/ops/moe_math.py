@@ -166,8 +166,8 @@ class _Groups:
         """Host group sizes, for the per-group loop: one host sync per op call where they are not known."""
         if self._sizes is None:
             runtime.refuse_host_read_in_capture(
-                self.ends.device, "the MoE reference's per-expert matmul loop (taken for dtypes other than bf16 on sm90 / "
-                "sm100, and for operands autograd records; the fused backward, KOSMOS_FUSED_MOE=1, has none)")
+                self.ends.device, "the MoE reference's per-expert matmul loop (taken for dtypes other than bf16 on "
+                "sm90 / sm100, and for operands autograd records; the fused backward, KOSMOS_FUSED_MOE=1, has none)")
             self._sizes = torch.diff(self.ends, prepend=self.ends.new_zeros(1)).tolist()
         return self._sizes
 

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kosmos.kernels import gemm_ws_host
+from kosmos.kernels import gemm_ws_host, runtime
 from kosmos.kernels.gemm_ws_host import unsupported as ws_unsupported
 
 log = logging.getLogger("kosmos")
@@ -557,7 +557,9 @@ def stream_k_counters(device: torch.device, n: int) -> torch.Tensor:
            torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else (-1, 0)
     buf = _SK_COUNTERS.get(key)
     if buf is None or buf.numel() < n:
-        buf = _SK_COUNTERS[key] = torch.zeros(max(n, 256), device=device, dtype=torch.int32)
+        size = max(n, 256)
+        buf = _SK_COUNTERS[key] = runtime.kept_tensor(device, lambda: torch.zeros(size, device=device,
+                                                                                 dtype=torch.int32))
     return buf
 
 

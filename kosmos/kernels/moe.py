@@ -702,7 +702,8 @@ class _Control:
 
     def __init__(self, device: torch.device, op: str):
         self.device, self.op = device, op
-        self.ctrl = torch.zeros(CTRL_HEAD + 128, dtype=torch.int32, device=device)
+        self.ctrl = runtime.kept_tensor(device, lambda: torch.zeros(CTRL_HEAD + 128, dtype=torch.int32,
+                                                                    device=device))
         self.err_host = torch.zeros(4, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.bad: Optional[str] = None
         self.lock = threading.Lock()
@@ -718,8 +719,8 @@ class _Control:
         runtime.refuse_growth_in_capture(self.device, f"the {self.op} control tensor ({words} words)")
         if self.captured:
             self._retired.append(self.ctrl)
-        self.ctrl = torch.zeros(CTRL_HEAD + max(words, 2 * (self.ctrl.numel() - CTRL_HEAD)), dtype=torch.int32,
-                                device=self.device)
+        size = CTRL_HEAD + max(words, 2 * (self.ctrl.numel() - CTRL_HEAD))
+        self.ctrl = runtime.kept_tensor(self.device, lambda: torch.zeros(size, dtype=torch.int32, device=self.device))
 
     def check(self) -> None:
         if self.bad is not None:

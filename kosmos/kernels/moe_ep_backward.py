@@ -339,8 +339,8 @@ def _identity_rows(n: int, device: torch.device) -> torch.Tensor:
         runtime.refuse_growth_in_capture(device, f"the EP backward's row map ({n} rows)")
         if t is not None:
             _identity_retired.append(t)
-        t = _identity[key] = torch.arange(max(n, 2 * (t.numel() if t is not None else 0)), dtype=torch.int32,
-                                          device=device)
+        size = max(n, 2 * (t.numel() if t is not None else 0))
+        t = _identity[key] = runtime.kept_tensor(device, lambda: torch.arange(size, dtype=torch.int32, device=device))
     return t
 
 

@@ -126,6 +126,32 @@ def refuse_growth_in_capture(device: torch.device, what: str) -> None:
                            "before capturing")
 
 
+def kept_tensor(device: torch.device, make):
+    """make() -> a tensor the kernels keep between calls (control counters, workspaces), allocated outside any CUDA
+    graph pool. Inductor's CUDA graph trees route every allocation of the thread that warms a graph up into the graph's
+    private pool, then refuse a live tensor there that no output tracks; a helper thread's allocations go to the
+    ordinary pool. During a capture proper it runs here (the capture records it; growth there is refused anyway)."""
+    if device.type != "cuda" or capturing(device):
+        return make()
+    made: list = []
+
+    def run() -> None:
+        try:
+            with torch.cuda.device(device):
+                t = make()
+                torch.cuda.current_stream(device).synchronize()  # its fill is done before another stream reads it
+            made.append(t)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            made.append(exc)
+
+    helper = threading.Thread(target=run, name="kosmos-kept-tensor")
+    helper.start()
+    helper.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
+
+
 def check_after_launch(device: torch.device, check) -> None:
     """In debug mode (KOSMOS_DEBUG_SYNC=1) waits for the kernel just launched and runs `check` (its error word) at
     once; outside CUDA graph capture."""
@@ -203,8 +229,9 @@ class Workspace:
                                      "words)")
             if c is not None and self.captured:
                 self._retired.append(c)
-            c = torch.zeros(self.n_local, max(words, 2 * (c.shape[1] if c is not None else 0)), dtype=torch.int32,
-                            device=self.device)
+            width = max(words, 2 * (c.shape[1] if c is not None else 0))
+            c = kept_tensor(self.device, lambda: torch.zeros(self.n_local, width, dtype=torch.int32,
+                                                             device=self.device))
             self._local_counters = c
         return c
 
@@ -239,14 +266,15 @@ class Workspace:
             dist.barrier(group=_resolve_process_group(self.group_name))
         self.layout = layout
         if self.group_name is None:  # SimWorld or an interpreter run: plain buffers
-            self.buffers = [torch.zeros(layout.nbytes, dtype=torch.uint8, device=self.device)
-                            for _ in range(self.world)]
+            self.buffers = kept_tensor(self.device, lambda: [torch.zeros(layout.nbytes, dtype=torch.uint8,
+                                                                         device=self.device)
+                                                             for _ in range(self.world)])
             ptrs = [b.data_ptr() for b in self.buffers]
             rows = [ptrs for _ in self.local_ranks]
         else:
             self.buffers, ptrs = self._symmetric(layout.nbytes)
             rows = [ptrs]
-        self.table = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        self.table = kept_tensor(self.device, lambda: torch.tensor(rows, dtype=torch.int64).to(self.device))
         log.info("kosmos: workspace %s: %d ranks x %d bytes", self.group_name or "simworld", self.world, layout.nbytes)
 
     def _symmetric(self, nbytes: int):

@@ -133,6 +133,8 @@ def kept_tensor(device: torch.device, make):
     ordinary pool. During a capture proper it runs here (the capture records it; growth there is refused anyway)."""
     if device.type != "cuda" or capturing(device):
         return make()
+    if device.index is None:  # the helper thread's current device is not necessarily this thread's
+        device = torch.device("cuda", torch.cuda.current_device())
     made: list = []
 
     def run() -> None:

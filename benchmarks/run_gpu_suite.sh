@@ -17,7 +17,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -o faulthandler_timeout=100 --durations=8"
 rc_gpu=0 rc_pass=0 rc_tp=0 rc_gemm=0 rc_moe=0 rc_ep=0
 
-# 1. every test marked gpu, in eight groups at once; 2. pass snapshots and backend on this machine's torch
+# 1. every test marked gpu, in nine groups at once; 2. pass snapshots and backend on this machine's torch
 run_group() {  # run_group N pytest-args...: one group in the background, its log tests_gpu_N.log
     local n=$1; shift
     timeout ${TEST_TIMEOUT:-480} $PYTEST -m gpu "$@" --junitxml="$OUT/junit_gpu_$n.xml" > "$OUT/tests_gpu_$n.log" 2>&1 &
@@ -28,8 +28,9 @@ pids=() names=()
 if [ -z "$SKIP_TESTS" ]; then
     run_group 0 tests/test_fused_gpu.py -k ag_gemm
     run_group 1 tests/test_fused_gpu.py tests/test_gemm_gpu.py -k "not ag_gemm"
-    run_group 2 tests/test_moe_kernel_gpu.py -k "not bit_identical"
+    run_group 2 tests/test_moe_kernel_gpu.py -k "not bit_identical and not router"
     run_group 7 tests/test_moe_kernel_gpu.py -k bit_identical
+    run_group 8 tests/test_moe_kernel_gpu.py -k "router and not bit_identical"
     run_group 3 tests/test_moe_backward_gpu.py
     run_group 4 tests --ignore tests/test_fused_gpu.py --ignore tests/test_gemm_gpu.py --ignore tests/test_multi_gpu.py \
         --ignore tests/test_moe_kernel_gpu.py --ignore tests/test_moe_backward_gpu.py \

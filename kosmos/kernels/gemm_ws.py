@@ -54,9 +54,10 @@ def _sk_segment(it, it_end, k_tiles, num_dp_tiles, num_pid_m, num_pid_n, GROUP_M
 @gluon.jit
 def _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k0, k1, it,
                   ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr, B_TRANS: gl.constexpr):
+                  STAGES: gl.constexpr, B_TRANS: gl.constexpr, b_base):
     """Loads K blocks [k0, k1) of the ROWS x BLOCK_N tile at (off_m, off_n) into the ring from stage counter `it`
-    on (A blocks of ROWS < BLOCK_M rows fill the first rows of a stage); returns the counter after."""
+    on (A blocks of ROWS < BLOCK_M rows fill the first rows of a stage); returns the counter after. b_base: the
+    first row of B's block in b_desc (a group's weight in grouped_ws.py; 0 here)."""
     nbytes: gl.constexpr = (ROWS + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
     for ki in range(k0, k1):
         s = it % STAGES
@@ -69,9 +70,9 @@ def _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k0
             a_dst = a_bufs.index(s).slice(0, ROWS)
         tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready.index(s), a_dst)
         if B_TRANS:
-            tma.async_copy_global_to_shared(b_desc, [off_n, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [b_base + off_n, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
         else:
-            tma.async_copy_global_to_shared(b_desc, [ki * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [b_base + ki * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
         it += 1
     return it
 
@@ -90,13 +91,13 @@ def _producer(a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K
     for tile_id in range(gl.program_id(0), num_dp_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
         it = _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, pid_m * BLOCK_M, pid_n * BLOCK_N, 0,
-                           k_tiles, it, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS)
+                           k_tiles, it, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, 0)
     if HALF_TAIL:
         for u in range(gl.program_id(0), 2 * (num_pid_m * num_pid_n - num_dp_tiles), gl.num_programs(0)):
             pid_m, pid_n = _tile_of(num_dp_tiles + u // 2, num_pid_m, num_pid_n, GROUP_M)
             it = _load_k_range(a_half_desc, b_desc, a_bufs, b_bufs, ready, empty,
                                pid_m * BLOCK_M + (u % 2) * (BLOCK_M // 2), pid_n * BLOCK_N, 0, k_tiles, it,
-                               BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS)
+                               BLOCK_M // 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, 0)
     if STREAM_K:
         total = num_sk_tiles * k_tiles
         for w in range(gl.program_id(0), sk_workers, gl.num_programs(0)):
@@ -106,7 +107,7 @@ def _producer(a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K
                 t, k0, k1, pid_m, pid_n = _sk_segment(pos, pos_end, k_tiles, num_dp_tiles, num_pid_m, num_pid_n,
                                                       GROUP_M)
                 it = _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, pid_m * BLOCK_M, pid_n * BLOCK_N,
-                                   k0, k1, it, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS)
+                                   k0, k1, it, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, 0)
                 pos += k1 - k0
 
 

@@ -82,3 +82,83 @@ def launch(a, b, bias, c, cfg, lay, plan, ws, cnt, programs: int, **overrides) -
                                 **{**dict(CONSUMER_REGS=232, PRODUCER_REGS=40, NUM_CONSUMERS=cfg.ws_consumers,
                                           PRODUCER_WARPS=1, CONSUMER_WARPS=cfg.num_warps), **overrides},
                                 num_warps=cfg.num_warps)
+
+
+# ------------------------------------------------------------------------------------------- grouped (grouped_ws.py)
+
+GROUPED_BLOCK = (128, 256, 64)  # BLOCK_M, BLOCK_N, BLOCK_K: ws256_1c's tiles (gemm.CONFIGS), three stages
+
+
+def grouped_b_trans(b: torch.Tensor) -> Optional[bool]:
+    """B [E, K, N] as grouped_ws_kernel reads it: False for N contiguous ([E, K, N] storage), True for K
+    contiguous (a transposed view of [E, N, K] storage), None for any other layout."""
+    E, K, N = b.shape
+    if b.stride() == (K * N, N, 1):
+        return False
+    if b.stride() == (N * K, 1, K):
+        return True
+    return None
+
+
+def grouped_unsupported(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
+    """Why grouped_ws_kernel cannot compute the ragged-M grouped product of A [S, K] and B [E, K, N], or None."""
+    if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
+        return f"dtypes {a.dtype} x {b.dtype} (bf16 / fp16, the same for both)"
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[1]:
+        return f"shapes {tuple(a.shape)} x {tuple(b.shape)} (A [S, K], B [E, K, N])"
+    K, N = b.shape[1], b.shape[2]
+    if a.stride(1) != 1 or a.stride(0) % 8 or a.data_ptr() % 16 or b.data_ptr() % 16 or K % 8 or N % 8:
+        return "A not row-major, or a row or pointer not 16-byte aligned (TMA)"
+    b_trans = grouped_b_trans(b)
+    if b_trans is None:
+        return f"B strides {b.stride()} (N or K contiguous storage of the [E, K, N] weight)"
+    if not b_trans and K % GROUPED_BLOCK[2]:
+        return f"K = {K} not a multiple of {GROUPED_BLOCK[2]} with N contiguous B (a K block would reach the next group)"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "the Triton interpreter does not run Gluon kernels"
+    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) != (9, 0):
+        return "wgmma needs an sm_90 GPU"
+    return gluon_missing()
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,
+               programs: Optional[int] = None) -> torch.Tensor:
+    """[S, N]: rows [ends[e-1], ends[e]) of A [S, K] times B[e] ([E, K, N]) for every group e; rows past ends[-1]
+    are left unwritten. ends: int32 [E] on A's device, non-decreasing, ends[-1] <= S (not checked: no host
+    sync). Raises ValueError where grouped_unsupported says why."""
+    reason = grouped_unsupported(a, b)
+    if reason is not None:
+        raise ValueError(f"kosmos grouped_mm: {reason}")
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kosmos.kernels.gemm import num_sms
+    from kosmos.kernels.grouped_ws import grouped_ws_kernel
+
+    S, K = a.shape
+    E, _, N = b.shape
+    if ends.dtype != torch.int32 or ends.shape != (E,) or ends.device != a.device:
+        raise ValueError(f"kosmos grouped_mm: ends must be int32 [{E}] on {a.device}, not {ends.dtype} "
+                         f"{tuple(ends.shape)} on {ends.device}")
+    if out is None:
+        out = a.new_empty(S, N)
+    elif out.shape != (S, N) or out.dtype != a.dtype or out.stride(1) != 1 or out.stride(0) % 8 or out.data_ptr() % 16:
+        raise ValueError(f"kosmos grouped_mm: out {tuple(out.shape)} {out.dtype} strides {out.stride()} is not a "
+                         f"16-byte aligned row-major [{S}, {N}] {a.dtype}")
+    el = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
+    BM, BN, BK = GROUPED_BLOCK
+    b_trans = grouped_b_trans(b)
+
+    def desc(t, shape, lead, block):
+        return TensorDescriptor(t, shape, [lead, 1], block, gl.NVMMASharedLayout.get_default_for(block, el))
+
+    a_desc = desc(a, [S, K], a.stride(0), [BM, BK])
+    b_desc = desc(b, [E * N, K], K, [BN, BK]) if b_trans else desc(b, [E * K, N], N, [BK, BN])
+    c_desc = desc(out, [S, N], out.stride(0), [BM, BN])
+    if S == 0 or E == 0:
+        return out
+    grouped_ws_kernel[(programs or num_sms(a.device),)](
+        a_desc, b_desc, c_desc, out, out.stride(0), ends.contiguous(), E, N, K,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, PRODUCER_REGS=40, CONSUMER_WARPS=8,
+        num_warps=8)
+    return out

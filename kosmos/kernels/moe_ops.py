@@ -44,6 +44,7 @@ import torch
 
 from kosmos.ops import dispatch
 from kosmos.ops.moe import no_saved_up
+from kosmos.reporting import record_run
 
 ENV = "KOSMOS_FUSED_MOE"
 MAX_EXPERTS = 256
@@ -354,6 +355,23 @@ def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, 
                         routed_scaling_factor, router_dtype, activation)
 
 
+def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:
+    """The reference's ragged-M grouped matmul by kosmos's grouped GEMM (gemm_ws_host.grouped_mm) when
+    KOSMOS_GROUPED_MM=kosmos and it takes the operands, else None (the caller runs torch._grouped_mm): the report
+    records which ran and why."""
+    from kosmos.kernels import gemm_ws_host
+
+    if os.environ.get("KOSMOS_GROUPED_MM", "torch") != "kosmos":
+        reason = "KOSMOS_GROUPED_MM is not 'kosmos'"
+    else:
+        reason = gemm_ws_host.grouped_unsupported(a, b)
+    if reason is not None:
+        record_run("grouped_mm", "torch._grouped_mm", reason)
+        return None
+    record_run("grouped_mm", "kosmos grouped_ws", "supported")
+    return gemm_ws_host.grouped_mm(a, b, ends)
+
+
 def register() -> None:
     from kosmos.kernels import moe_pairs, moe_rows
 
@@ -364,3 +382,4 @@ def register() -> None:
     dispatch.register_row_kernel("moe_fold", moe_rows.fold)
     dispatch.register_row_kernel("moe_gather_rows", moe_rows.gather_rows)
     dispatch.register_row_kernel("moe_sorted_pairs", moe_pairs.sorted_pairs)
+    dispatch.register_row_kernel("moe_grouped_mm", grouped_rows_mm)

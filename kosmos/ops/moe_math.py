@@ -176,7 +176,9 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, groups: _Groups) -> torch.Tens
     """Ragged-M grouped matmul [S, N]: group e's rows of a [S, K] times b[e] [K, N]. Rows past the last group are
     left unwritten: the caller must keep them out of its results."""
     if a.stride(-1) == 1 and _grouped_kernel(a, b, len(groups)):  # CUTLASS wants a row-major ragged operand
-        return torch._grouped_mm(a, b, groups.ends)
+        kernel = dispatch.row_kernel("moe_grouped_mm", a.device)
+        out = kernel(a, b, groups.ends) if kernel is not None else None
+        return out if out is not None else torch._grouped_mm(a, b, groups.ends)
     out = a.new_empty(a.shape[0], b.shape[-1])
     start = 0
     for e, n in enumerate(groups.sizes()):

@@ -1,0 +1,100 @@
+"""kosmos's ragged-M grouped GEMM (kernels/grouped_ws.py) against torch._grouped_mm (CUTLASS) on the MoE layers'
+expert GEMMs: the forward's up / down (Linear-style weights, K contiguous) and the backward's d_act / d_x (the
+weights as stored, N contiguous), rows grouped as the reference's sorted pairs (uniform top-k routing, each group
+led by a pad row).
+
+    PYTHONPATH=. python3 benchmarks/grouped_mm.py --layers qwen3_235b,deepseek_v3 --T 16384 --rounds 3
+
+ms are medians over the rounds of each round's median of --reps CUDA-event timed calls (the two impls alternate
+round by round); TF/s count 2 * rows * K * N over the grouped rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+LAYERS = {"qwen3_30b_a3b": (2048, 768, 128), "qwen3_235b": (4096, 1536, 128), "deepseek_v3": (7168, 2048, 256)}
+
+
+def routed_ends(T: int, E: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """int32 group ends of the reference's sorted pairs: each token's k experts uniform at random, + 1 pad row each."""
+    ids = torch.rand(T, E, generator=gen).topk(k, dim=1).indices
+    return (ids.flatten().bincount(minlength=E) + 1).cumsum(0).to(torch.int32)
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def cases(H: int, I: int, E: int, S: int, dev):
+    """name -> (A [S, K], B [E, K, N]) for the four expert GEMMs (weights made once, used in both layouts)."""
+    gate_up = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16) * 0.02
+    down = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(S, H, device=dev, dtype=torch.bfloat16)
+    act = torch.randn(S, I, device=dev, dtype=torch.bfloat16)
+    d_h = torch.randn(S, 2 * I, device=dev, dtype=torch.bfloat16)
+    return {"up (fwd, K-contig B)": (x, gate_up.transpose(1, 2)), "down (fwd, K-contig B)": (act, down.transpose(1, 2)),
+            "d_act (bwd, N-contig B)": (x, down), "d_x (bwd, N-contig B)": (d_h, gate_up)}
+
+
+def main() -> int:
+    from kosmos.kernels.gemm_ws_host import grouped_mm
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", default="qwen3_235b,deepseek_v3")
+    p.add_argument("--T", type=int, default=16384)
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for layer in args.layers.split(","):
+        H, I, E = LAYERS[layer]
+        ends_cpu = routed_ends(args.T, E, args.k, gen)
+        S = int(ends_cpu[-1])
+        ends = ends_cpu.cuda()
+        for name, (a, b) in cases(H, I, E, S, "cuda").items():
+            K, N = b.shape[1], b.shape[2]
+            ref = torch._grouped_mm(a, b, offs=ends)
+            out = grouped_mm(a, b, ends)
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            t = {"torch": [], "kosmos": []}
+            for _ in range(args.rounds):
+                t["torch"].append(timed(lambda: torch._grouped_mm(a, b, offs=ends), args.reps))
+                t["kosmos"].append(timed(lambda: grouped_mm(a, b, ends, out=out), args.reps))
+            flops = 2 * S * K * N
+            r = {"layer": layer, "T": args.T, "gemm": name, "S": S, "K": K, "N": N, "rel_err_vs_torch": err,
+                 **{f"ms_{k}": statistics.median(v) for k, v in t.items()}, "rounds": t}
+            r.update({f"tflops_{k}": flops / r[f"ms_{k}"] / 1e9 for k in t})
+            rows.append(r)
+            del ref, out
+        torch.cuda.empty_cache()
+    print(f"{'layer':>14} {'gemm':>24} {'S':>7} {'K':>5} {'N':>5} | {'torch ms':>9} {'TF/s':>5} | "
+          f"{'kosmos ms':>9} {'TF/s':>5} | {'torch/kosmos':>12} | rel err")
+    for r in rows:
+        print(f"{r['layer']:>14} {r['gemm']:>24} {r['S']:>7} {r['K']:>5} {r['N']:>5} | {r['ms_torch']:>9.3f} "
+              f"{r['tflops_torch']:>5.0f} | {r['ms_kosmos']:>9.3f} {r['tflops_kosmos']:>5.0f} | "
+              f"{r['ms_torch'] / r['ms_kosmos']:>12.3f} | {r['rel_err_vs_torch']:.1e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

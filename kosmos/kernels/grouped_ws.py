@@ -1,0 +1,113 @@
+"""Ragged-M grouped GEMM for sm_90 (Gluon), on the warp-specialized GEMM core of gemm_ws.py.
+
+C[rows of group e] = A[rows of group e] @ B[e] for consecutive row groups (group e: rows [ends[e-1], ends[e]),
+ends int32 on the device, as torch._grouped_mm's offs): what the MoE backward's d_act / d_x and the reference
+forward's expert GEMMs are. No host sync: each partition walks the groups with a cursor that only moves forward
+(tiles are taken in increasing order, so a program reads each group's end once), the tile list ending where the
+groups do. B is [E, K, N] with N contiguous (B_TRANS False: a weight used as stored, the backward's dgrad) or
+[E, N, K] with K contiguous (B_TRANS True: a Linear-style weight, the forward). A group's last tile may run past
+its rows into the next group's: its MMAs read those rows but its store is masked to the group (a whole tile goes
+out by TMA). Rows past the last group are left unwritten.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from kosmos.kernels.gemm_ws import _load_k_range, _mma_k_range, _store_tile
+
+
+@gluon.jit
+def _next_group(ends_ptr, E, mt, e, start, end, tile0, BLOCK_M: gl.constexpr):
+    """Moves the cursor (group e, its rows [start, end), its first m-tile tile0) forward to the group holding m-tile
+    mt; e == E once mt is past the last group's tiles."""
+    while (e < E) & (tile0 + gl.cdiv(end - start, BLOCK_M) <= mt):
+        tile0 += gl.cdiv(end - start, BLOCK_M)
+        e += 1
+        start = end
+        end = gl.load(ends_ptr + gl.minimum(e, E - 1))
+    return e, start, end, tile0
+
+
+@gluon.jit
+def _grouped_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, N, K,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                      B_TRANS: gl.constexpr):
+    """Loads every K block of the program's tiles (t = pid, pid + nprog, ...; n fastest) into the stage ring."""
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    t = gl.program_id(0)
+    zero = t * 0  # loop-carried values must start as tensors, not constexpr 0
+    e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, zero, zero, gl.load(ends_ptr), zero, BLOCK_M)
+    it = zero
+    while e < E:
+        off_m = start + (t // num_pid_n - tile0) * BLOCK_M
+        off_n = (t % num_pid_n) * BLOCK_N
+        b_base = e * (N if B_TRANS else K)
+        it = _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, 0, k_tiles, it,
+                           BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, b_base)
+        t += gl.num_programs(0)
+        e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, e, start, end, tile0, BLOCK_M)
+
+
+@gluon.jit
+def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, ldc, ends_ptr, E, N, K,
+                      CONSUMER_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr):
+    """MMAs and epilogue of the program's tiles, in the producer's order: a tile inside its group by TMA, a
+    group's last, partial tile by a store masked to the group's rows."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    t = gl.program_id(0)
+    zero = t * 0  # loop-carried values must start as tensors, not constexpr 0
+    e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, zero, zero, gl.load(ends_ptr), zero, BLOCK_M)
+    it = zero
+    while e < E:
+        off_m = start + (t // num_pid_n - tile0) * BLOCK_M
+        off_n = (t % num_pid_n) * BLOCK_N
+        acc, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, 0, k_tiles, it, acc_layout, 0, 1, BLOCK_M,
+                               BLOCK_M, BLOCK_N, STAGES, B_TRANS)
+        if off_m + BLOCK_M <= end:
+            _store_tile(acc, c_desc, c_smem, c_ptr, off_m, off_n, N, acc_layout, BLOCK_N, False)
+        else:
+            r = off_m + rows
+            c = off_n + cols
+            mask = (r < end)[:, None] & (c < N)[None, :]
+            gl.store(c_ptr + r.to(gl.int64)[:, None] * ldc + c[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+        t += gl.num_programs(0)
+        e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, e, start, end, tile0, BLOCK_M)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, E, N, K,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                      B_TRANS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr):
+    """C = A @ B[group] per row group; grid <= #SMs, num_warps = CONSUMER_WARPS (the consumer; a one-warp producer
+    is the worker). a_desc [S, K] block [BLOCK_M, BLOCK_K]; b_desc over B as 2D, [E * K, N] block [BLOCK_K,
+    BLOCK_N] or (B_TRANS) [E * N, K] block [BLOCK_N, BLOCK_K]; c_desc [S, N] block [BLOCK_M, BLOCK_N] (c_ptr, ldc:
+    the same C for the masked stores)."""
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # unused with one consumer
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_grouped_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, ldc, ends_ptr, E, N, K,
+                             CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS)),
+        (_grouped_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, N, K, BLOCK_M, BLOCK_N,
+                             BLOCK_K, STAGES, B_TRANS)),
+    ], [1], [PRODUCER_REGS])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))

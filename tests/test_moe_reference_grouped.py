@@ -342,6 +342,7 @@ def _qwen3_30b_case(seed=0):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10),
                     reason="torch._grouped_mm's bf16 kernel needs sm90/sm100")
 def test_gpu_grouped_vs_loop_bf16(monkeypatch):
+    monkeypatch.delenv("KOSMOS_GROUPED_MM", raising=False)  # torch._grouped_mm for every grouped matmul
     case = _qwen3_30b_case()
     calls = []
     real = torch._grouped_mm
@@ -361,6 +362,33 @@ def test_gpu_grouped_vs_loop_bf16(monkeypatch):
         assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), name
     for a, b in zip(grouped[3:], loop[3:]):
         assert not a[empty].any() and not b[empty].any()  # exact zeros
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="kosmos's grouped GEMM needs an sm_90 GPU")
+def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch):
+    """KOSMOS_GROUPED_MM=kosmos: the ragged-M grouped matmuls (forward up / down, backward d_act / d_x) run on
+    kosmos's grouped GEMM, the weight gradients stay torch._grouped_mm's, the report says so, and the results are
+    those of torch._grouped_mm everywhere."""
+    import kosmos
+
+    case = _qwen3_30b_case()
+    monkeypatch.delenv("KOSMOS_GROUPED_MM", raising=False)
+    want, _ = run(*case)
+    monkeypatch.setenv("KOSMOS_GROUPED_MM", "kosmos")
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    kosmos.reset_report()
+    got, _ = run(*case)
+    torch.cuda.synchronize()
+    assert len(calls) == 2  # the two weight gradients (ragged K)
+    runs = kosmos.report().runtime
+    assert runs.get(("grouped_mm", "kosmos grouped_ws", "supported")) == 6, runs
+    for name, a, b in zip(NAMES, got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert rel_err(a, b) <= 1e-3, (name, rel_err(a, b))
 
 
 @pytest.mark.gpu

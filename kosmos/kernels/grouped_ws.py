@@ -8,6 +8,11 @@ groups do. B is [E, K, N] with N contiguous (B_TRANS False: a weight used as sto
 [E, N, K] with K contiguous (B_TRANS True: a Linear-style weight, the forward). A group's last tile may run past
 its rows into the next group's: its MMAs read those rows but its store is masked to the group (a whole tile goes
 out by TMA). Rows past the last group are left unwritten.
+
+Measured on the H200 against torch._grouped_mm (CUTLASS, 128x256x64 tiles as here; benchmarks/grouped_mm.py,
+RESULTS.md twenty-second session): the same bits, and the same time on Qwen3-235B's four expert GEMMs (0.97-1.01x)
+but slower on DeepSeek-V3's (0.86-1.00x), so the MoE reference keeps torch's unless KOSMOS_GROUPED_MM=kosmos. What
+an own grouped kernel could add beyond CUTLASS (a gather or an epilogue fused into it) is not built.
 """
 from __future__ import annotations
 

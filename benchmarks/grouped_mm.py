@@ -5,8 +5,9 @@ led by a pad row).
 
     PYTHONPATH=. python3 benchmarks/grouped_mm.py --layers qwen3_235b,deepseek_v3 --T 16384 --rounds 3
 
-ms are medians over the rounds of each round's median of --reps CUDA-event timed calls (the two impls alternate
-round by round); TF/s count 2 * rows * K * N over the grouped rows.
+ms are medians over the rounds of each round's median of --reps CUDA-event timed calls (the impls alternate round
+by round); TF/s count 2 * rows * K * N over the grouped rows. kosmos_m: kosmos's kernel with a group's m-tiles next
+to each other (grouped_mm(m_fastest=True)).
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ def main() -> int:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--impls", default="torch,kosmos,kosmos_m",
+                   help="torch._grouped_mm, kosmos's kernel with n-fastest / m-fastest tiles in a group")
     p.add_argument("--json", default="")
     args = p.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -71,25 +74,34 @@ def main() -> int:
         for name, (a, b) in cases(H, I, E, S, "cuda").items():
             K, N = b.shape[1], b.shape[2]
             ref = torch._grouped_mm(a, b, offs=ends)
-            out = grouped_mm(a, b, ends)
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            t = {"torch": [], "kosmos": []}
+            out = torch.empty_like(ref)
+            impls = {"torch": lambda: torch._grouped_mm(a, b, offs=ends),
+                     "kosmos": lambda: grouped_mm(a, b, ends, out=out),
+                     "kosmos_m": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True)}
+            impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
+            r = {"layer": layer, "T": args.T, "gemm": name, "S": S, "K": K, "N": N, "rounds": {}}
+            for impl, fn in impls.items():
+                if impl != "torch":
+                    fn()
+                    r[f"rel_err_{impl}"] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            t = {impl: [] for impl in impls}
             for _ in range(args.rounds):
-                t["torch"].append(timed(lambda: torch._grouped_mm(a, b, offs=ends), args.reps))
-                t["kosmos"].append(timed(lambda: grouped_mm(a, b, ends, out=out), args.reps))
+                for impl, fn in impls.items():
+                    t[impl].append(timed(fn, args.reps))
             flops = 2 * S * K * N
-            r = {"layer": layer, "T": args.T, "gemm": name, "S": S, "K": K, "N": N, "rel_err_vs_torch": err,
-                 **{f"ms_{k}": statistics.median(v) for k, v in t.items()}, "rounds": t}
+            r["rounds"] = t
+            r.update({f"ms_{k}": statistics.median(v) for k, v in t.items()})
             r.update({f"tflops_{k}": flops / r[f"ms_{k}"] / 1e9 for k in t})
             rows.append(r)
             del ref, out
         torch.cuda.empty_cache()
-    print(f"{'layer':>14} {'gemm':>24} {'S':>7} {'K':>5} {'N':>5} | {'torch ms':>9} {'TF/s':>5} | "
-          f"{'kosmos ms':>9} {'TF/s':>5} | {'torch/kosmos':>12} | rel err")
+    names = args.impls.split(",")
+    print(f"{'layer':>12} {'gemm':>24} {'S':>7} {'K':>5} {'N':>5} | " + " | ".join(f"{n + ' ms':>11} {'TF/s':>4}"
+                                                                             for n in names) + " | rel err")
     for r in rows:
-        print(f"{r['layer']:>14} {r['gemm']:>24} {r['S']:>7} {r['K']:>5} {r['N']:>5} | {r['ms_torch']:>9.3f} "
-              f"{r['tflops_torch']:>5.0f} | {r['ms_kosmos']:>9.3f} {r['tflops_kosmos']:>5.0f} | "
-              f"{r['ms_torch'] / r['ms_kosmos']:>12.3f} | {r['rel_err_vs_torch']:.1e}")
+        cells = " | ".join(f"{r[f'ms_{n}']:>11.3f} {r[f'tflops_{n}']:>4.0f}" for n in names)
+        errs = " ".join(f"{r[k]:.1e}" for k in r if k.startswith("rel_err"))
+        print(f"{r['layer']:>12} {r['gemm']:>24} {r['S']:>7} {r['K']:>5} {r['N']:>5} | {cells} | {errs}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -41,15 +41,16 @@ def check(a, b, ends, sizes, **kw):
     return out
 
 
+@pytest.mark.parametrize("m_fastest", [False, True], ids=["n_fastest", "m_fastest"])
 @pytest.mark.parametrize("b_trans", [False, True], ids=["kn", "nk"])
 @pytest.mark.parametrize("sizes,K,N", [
     ([300, 0, 1, 129, 127, 128, 256, 77], 256, 512),  # empty, one-row, just over / under / exactly a tile
     ([0, 0, 1000, 0], 192, 320),  # every row in one group; N not a multiple of the 256-wide tile
     ([64] * 40, 128, 256),  # many groups shorter than a tile
 ])
-def test_groups_match_reference(sizes, K, N, b_trans):
+def test_groups_match_reference(sizes, K, N, b_trans, m_fastest):
     a, b, ends = operands(sizes, K, N, b_trans)
-    check(a, b, ends, sizes)
+    check(a, b, ends, sizes, m_fastest=m_fastest)
 
 
 def test_fp16_and_moe_like_padded_groups():
@@ -64,9 +65,9 @@ def test_bit_identical_over_grid_sizes():
     sizes = [700, 5, 0, 513, 1024, 33]
     a, b, ends = operands(sizes, 256, 512, False)
     first = check(a, b, ends, sizes)
-    for programs in (1, 7, 64):
-        again = check(a, b, ends, sizes, programs=programs)
-        assert torch.equal(again[:sum(sizes)], first[:sum(sizes)]), programs
+    for programs, m_fastest in ((1, False), (7, True), (64, False), (64, True)):
+        again = check(a, b, ends, sizes, programs=programs, m_fastest=m_fastest)
+        assert torch.equal(again[:sum(sizes)], first[:sum(sizes)]), (programs, m_fastest)
 
 
 def test_clear_errors():

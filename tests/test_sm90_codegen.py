@@ -68,16 +68,17 @@ def test_gemm_warp_specialized(name, b_trans):
     assert k.metadata.shared <= 227 * 1024
 
 
+@pytest.mark.parametrize("m_fastest", [False, True], ids=["n_fastest", "m_fastest"])
 @pytest.mark.parametrize("b_trans", [True, False], ids=["nk", "kn"])
-def test_grouped_warp_specialized(b_trans):
+def test_grouped_warp_specialized(b_trans, m_fastest):
     from kosmos.kernels import gemm_ws_host, grouped_ws
 
     if gemm_ws_host.gluon_missing():
         pytest.skip(gemm_ws_host.gluon_missing())
     bm, bn, bk = gemm_ws_host.GROUPED_BLOCK
     k = compile_sm90_gluon(grouped_ws.grouped_ws_kernel,
-                           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=3, B_TRANS=b_trans, PRODUCER_REGS=40,
-                                CONSUMER_WARPS=8),
+                           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest,
+                                PRODUCER_REGS=40, CONSUMER_WARPS=8),
                            dict(c_ptr=BF, ends_ptr="i32"),
                            dict(a_desc=(torch.bfloat16, (bm, bk)),
                                 b_desc=(torch.bfloat16, (bn, bk) if b_trans else (bk, bn)),

@@ -122,10 +122,11 @@ def grouped_unsupported(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,
-               programs: Optional[int] = None) -> torch.Tensor:
+               programs: Optional[int] = None, m_fastest: bool = False) -> torch.Tensor:
     """[S, N]: rows [ends[e-1], ends[e]) of A [S, K] times B[e] ([E, K, N]) for every group e; rows past ends[-1]
     are left unwritten. ends: int32 [E] on A's device, non-decreasing, ends[-1] <= S (not checked: no host
-    sync). Raises ValueError where grouped_unsupported says why."""
+    sync). m_fastest: a group's tiles in column-block order (its m-tiles next to each other; else its column blocks
+    next to each other). Raises ValueError where grouped_unsupported says why."""
     reason = grouped_unsupported(a, b)
     if reason is not None:
         raise ValueError(f"kosmos grouped_mm: {reason}")
@@ -159,6 +160,6 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Option
         return out
     grouped_ws_kernel[(programs or num_sms(a.device),)](
         a_desc, b_desc, c_desc, out, out.stride(0), ends.contiguous(), E, N, K,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, PRODUCER_REGS=40, CONSUMER_WARPS=8,
-        num_warps=8)
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest, PRODUCER_REGS=40,
+        CONSUMER_WARPS=8, num_warps=8)
     return out

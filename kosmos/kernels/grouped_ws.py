@@ -36,10 +36,27 @@ def _next_group(ends_ptr, E, mt, e, start, end, tile0, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  M_FASTEST: gl.constexpr):
+    """(row, column) of tile t in its group (whose tiles start at m-tile tile0 of the list): its m-tiles one after
+    another for each column block (M_FASTEST: the programs at work share B's column blocks) or its column blocks one
+    after another for each m-tile (they share A's rows)."""
+    if M_FASTEST:
+        m_tiles = gl.cdiv(end - start, BLOCK_M)
+        local = t - tile0 * num_pid_n
+        pid_m = local % m_tiles
+        pid_n = local // m_tiles
+    else:
+        pid_m = t // num_pid_n - tile0
+        pid_n = t % num_pid_n
+    return start + pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@gluon.jit
 def _grouped_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, N, K,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                      B_TRANS: gl.constexpr):
-    """Loads every K block of the program's tiles (t = pid, pid + nprog, ...; n fastest) into the stage ring."""
+                      B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr):
+    """Loads every K block of the program's tiles (t = pid, pid + nprog, ...) into the stage ring."""
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
     t = gl.program_id(0)
@@ -47,8 +64,7 @@ def _grouped_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E,
     e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, zero, zero, gl.load(ends_ptr), zero, BLOCK_M)
     it = zero
     while e < E:
-        off_m = start + (t // num_pid_n - tile0) * BLOCK_M
-        off_n = (t % num_pid_n) * BLOCK_N
+        off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
         b_base = e * (N if B_TRANS else K)
         it = _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, 0, k_tiles, it,
                            BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, b_base)
@@ -59,7 +75,7 @@ def _grouped_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E,
 @gluon.jit
 def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, ldc, ends_ptr, E, N, K,
                       CONSUMER_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr):
+                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr):
     """MMAs and epilogue of the program's tiles, in the producer's order: a tile inside its group by TMA, a
     group's last, partial tile by a store masked to the group's rows."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
@@ -73,8 +89,7 @@ def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr,
     e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, zero, zero, gl.load(ends_ptr), zero, BLOCK_M)
     it = zero
     while e < E:
-        off_m = start + (t // num_pid_n - tile0) * BLOCK_M
-        off_n = (t % num_pid_n) * BLOCK_N
+        off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
         acc, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, 0, k_tiles, it, acc_layout, 0, 1, BLOCK_M,
                                BLOCK_M, BLOCK_N, STAGES, B_TRANS)
         if off_m + BLOCK_M <= end:
@@ -92,7 +107,8 @@ def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr,
 @gluon.jit
 def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, E, N, K,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                      B_TRANS: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr):
+                      B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                      CONSUMER_WARPS: gl.constexpr):
     """C = A @ B[group] per row group; grid <= #SMs, num_warps = CONSUMER_WARPS (the consumer; a one-warp producer
     is the worker). a_desc [S, K] block [BLOCK_M, BLOCK_K]; b_desc over B as 2D, [E * K, N] block [BLOCK_K,
     BLOCK_N] or (B_TRANS) [E * N, K] block [BLOCK_N, BLOCK_K]; c_desc [S, N] block [BLOCK_M, BLOCK_N] (c_ptr, ldc:
@@ -109,9 +125,9 @@ def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, E, N, K,
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_grouped_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, ldc, ends_ptr, E, N, K,
-                             CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS)),
+                             CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST)),
         (_grouped_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, N, K, BLOCK_M, BLOCK_N,
-                             BLOCK_K, STAGES, B_TRANS)),
+                             BLOCK_K, STAGES, B_TRANS, M_FASTEST)),
     ], [1], [PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))

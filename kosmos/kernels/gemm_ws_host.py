@@ -113,7 +113,8 @@ def grouped_unsupported(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
     if b_trans is None:
         return f"B strides {b.stride()} (N or K contiguous storage of the [E, K, N] weight)"
     if not b_trans and K % GROUPED_BLOCK[2]:
-        return f"K = {K} not a multiple of {GROUPED_BLOCK[2]} with N contiguous B (a K block would reach the next group)"
+        return (f"K = {K} not a multiple of {GROUPED_BLOCK[2]} with N contiguous B (a K block would reach the next "
+                "group)")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return "the Triton interpreter does not run Gluon kernels"
     if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) != (9, 0):

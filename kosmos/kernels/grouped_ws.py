@@ -11,8 +11,10 @@ out by TMA). Rows past the last group are left unwritten.
 
 Measured on the H200 against torch._grouped_mm (CUTLASS, 128x256x64 tiles as here; benchmarks/grouped_mm.py,
 RESULTS.md twenty-second session): the same bits, and the same time on Qwen3-235B's four expert GEMMs (0.97-1.01x)
-but slower on DeepSeek-V3's (0.86-1.00x), so the MoE reference keeps torch's unless KOSMOS_GROUPED_MM=kosmos. What
-an own grouped kernel could add beyond CUTLASS (a gather or an epilogue fused into it) is not built.
+but slower on DeepSeek-V3's (0.86-1.00x; with M_FASTEST 0.89-0.99x), so the MoE reference keeps torch's unless
+KOSMOS_GROUPED_MM=kosmos. What an own grouped kernel could add beyond CUTLASS (a gather or an epilogue fused into
+it) is not built. The producer and the consumer walk the tiles with the same few lines, side by side on purpose:
+they must agree tile for tile.
 """
 from __future__ import annotations
 

@@ -357,14 +357,14 @@ def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, 
 
 def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:
     """The reference's ragged-M grouped matmul by kosmos's grouped GEMM (gemm_ws_host.grouped_mm) when
-    KOSMOS_GROUPED_MM=kosmos and it takes the operands, else None (the caller runs torch._grouped_mm): the report
-    records which ran and why. Opt-in: the same bits as torch._grouped_mm and no faster on an H200 (grouped_ws.py)."""
+    KOSMOS_GROUPED_MM=kosmos and it takes the operands, else None (the caller runs torch._grouped_mm). Opt-in (the
+    same bits as torch._grouped_mm and no faster on an H200, grouped_ws.py): when asked for, the report records
+    which ran and why."""
+    if os.environ.get("KOSMOS_GROUPED_MM", "torch") != "kosmos":
+        return None
     from kosmos.kernels import gemm_ws_host
 
-    if os.environ.get("KOSMOS_GROUPED_MM", "torch") != "kosmos":
-        reason = "KOSMOS_GROUPED_MM is not 'kosmos'"
-    else:
-        reason = gemm_ws_host.grouped_unsupported(a, b)
+    reason = gemm_ws_host.grouped_unsupported(a, b)
     if reason is not None:
         record_run("grouped_mm", "torch._grouped_mm", reason)
         return None

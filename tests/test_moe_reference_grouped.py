@@ -593,3 +593,24 @@ def test_gpu_sorted_pairs_match_torch(monkeypatch, T, k, E):
             a, b = getattr(fused, name), getattr(ref, name)
             assert a.dtype == b.dtype and torch.equal(a, b), name
         assert fused.groups.ends.dtype == torch.int32 and torch.equal(fused.groups.ends, ref.groups.ends)
+
+
+def test_grouped_rows_mm_is_opt_in_and_reports_why_not():
+    """KOSMOS_GROUPED_MM unset: the reference keeps torch._grouped_mm with nothing recorded (the default, not a
+    fallback); set to kosmos on operands the kernel cannot take (here: no sm_90 GPU): torch's, with the reason."""
+    import kosmos
+    from kosmos.kernels.moe_ops import grouped_rows_mm
+
+    a = torch.randn(10, 64, dtype=torch.bfloat16)
+    b = torch.randn(2, 64, 32, dtype=torch.bfloat16)
+    ends = torch.tensor([4, 10], dtype=torch.int32)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("KOSMOS_GROUPED_MM", raising=False)
+        kosmos.reset_report()
+        assert grouped_rows_mm(a, b, ends) is None
+        assert not [k for k in kosmos.report().runtime if k[0] == "grouped_mm"]
+        mp.setenv("KOSMOS_GROUPED_MM", "kosmos")
+        assert grouped_rows_mm(a, b, ends) is None
+        (key,) = [k for k in kosmos.report().runtime if k[0] == "grouped_mm"]
+        assert key[1] == "torch._grouped_mm"
+        assert any(why in key[2] for why in ("sm_90", "interpreter", "gluon")), key

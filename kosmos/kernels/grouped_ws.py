@@ -13,8 +13,8 @@ Measured on the H200 against torch._grouped_mm (CUTLASS, 128x256x64 tiles as her
 RESULTS.md twenty-second session): the same bits, and the same time on Qwen3-235B's four expert GEMMs (0.97-1.01x)
 but slower on DeepSeek-V3's (0.86-1.00x; with M_FASTEST 0.89-0.99x), so the MoE reference keeps torch's unless
 KOSMOS_GROUPED_MM=kosmos. What an own grouped kernel could add beyond CUTLASS (a gather or an epilogue fused into
-it) is not built. The producer and the consumer walk the tiles with the same few lines, side by side on purpose:
-they must agree tile for tile.
+it) is not built. The producer and the consumer start their walk over the tiles with the same three lines (they
+must agree tile for tile): one helper returning the first cursor would serve both, not made after the last GPU run.
 """
 from __future__ import annotations
 

@@ -131,6 +131,12 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Option
     reason = grouped_unsupported(a, b)
     if reason is not None:
         raise ValueError(f"kosmos grouped_mm: {reason}")
+    return launch_grouped_mm(a, b, ends, out, programs, m_fastest)
+
+
+def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,
+                      programs: Optional[int] = None, m_fastest: bool = False) -> torch.Tensor:
+    """grouped_mm for operands grouped_unsupported has already accepted (the ends / out checks still run)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 

@@ -13,8 +13,7 @@ Measured on the H200 against torch._grouped_mm (CUTLASS, 128x256x64 tiles as her
 RESULTS.md twenty-second session): the same bits, and the same time on Qwen3-235B's four expert GEMMs (0.97-1.01x)
 but slower on DeepSeek-V3's (0.86-1.00x; with M_FASTEST 0.89-0.99x), so the MoE reference keeps torch's unless
 KOSMOS_GROUPED_MM=kosmos. What an own grouped kernel could add beyond CUTLASS (a gather or an epilogue fused into
-it) is not built. The producer and the consumer start their walk over the tiles with the same three lines (they
-must agree tile for tile): one helper returning the first cursor would serve both, not made after the last GPU run.
+it) is not built.
 """
 from __future__ import annotations
 
@@ -35,6 +34,16 @@ def _next_group(ends_ptr, E, mt, e, start, end, tile0, BLOCK_M: gl.constexpr):
         start = end
         end = gl.load(ends_ptr + gl.minimum(e, E - 1))
     return e, start, end, tile0
+
+
+@gluon.jit
+def _first_cursor(ends_ptr, E, num_pid_n, BLOCK_M: gl.constexpr):
+    """The program's first tile t and the cursor at its group, with the stage counter at 0: where the producer and
+    the consumer both start, so they walk the same tiles."""
+    t = gl.program_id(0)
+    zero = t * 0  # loop-carried values must start as tensors, not constexpr 0
+    e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, zero, zero, gl.load(ends_ptr), zero, BLOCK_M)
+    return t, e, start, end, tile0, zero
 
 
 @gluon.jit
@@ -61,10 +70,7 @@ def _grouped_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E,
     """Loads every K block of the program's tiles (t = pid, pid + nprog, ...) into the stage ring."""
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    t = gl.program_id(0)
-    zero = t * 0  # loop-carried values must start as tensors, not constexpr 0
-    e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, zero, zero, gl.load(ends_ptr), zero, BLOCK_M)
-    it = zero
+    t, e, start, end, tile0, it = _first_cursor(ends_ptr, E, num_pid_n, BLOCK_M)
     while e < E:
         off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
         b_base = e * (N if B_TRANS else K)
@@ -86,10 +92,7 @@ def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr,
     k_tiles = gl.cdiv(K, BLOCK_K)
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-    t = gl.program_id(0)
-    zero = t * 0  # loop-carried values must start as tensors, not constexpr 0
-    e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, zero, zero, gl.load(ends_ptr), zero, BLOCK_M)
-    it = zero
+    t, e, start, end, tile0, it = _first_cursor(ends_ptr, E, num_pid_n, BLOCK_M)
     while e < E:
         off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
         acc, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, 0, k_tiles, it, acc_layout, 0, 1, BLOCK_M,

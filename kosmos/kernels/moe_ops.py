@@ -369,7 +369,7 @@ def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Opt
         record_run("grouped_mm", "torch._grouped_mm", reason)
         return None
     record_run("grouped_mm", "kosmos grouped_ws", "supported")
-    return gemm_ws_host.grouped_mm(a, b, ends)
+    return gemm_ws_host.launch_grouped_mm(a, b, ends)
 
 
 def register() -> None:

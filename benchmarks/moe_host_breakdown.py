@@ -18,6 +18,45 @@ PIECES = ("_SortedPairs", "experts_backward_saved_rows", "_router_d_logits", "_g
           "_grouped_wgrad", "_swiglu_rows_backward_")
 
 
+class _Slot:
+    """A dict entry as an attribute, so timed_calls can wrap the callables dispatch keeps in its tables."""
+
+    def __init__(self, table: dict, key, index=None):
+        self.table, self.key, self.index = table, key, index
+
+    def __getattr__(self, _):
+        v = self.table[self.key]
+        return v if self.index is None else v[self.index]
+
+    def __setattr__(self, name, value):
+        if name in ("table", "key", "index"):
+            return object.__setattr__(self, name, value)
+        if self.index is None:
+            self.table[self.key] = value
+        else:
+            v = list(self.table[self.key])
+            v[self.index] = value
+            self.table[self.key] = tuple(v)
+
+
+def _kernel_targets() -> list:
+    """The CUDA path's pieces: the fused ops' why_not / run (dispatch's table), the row kernels, the forward
+    kernel's host steps and its Triton launch."""
+    from kosmos.ops import dispatch
+
+    if not torch.cuda.is_available():
+        return []
+    from kosmos.kernels import moe as kmoe, runtime
+
+    out = [(_Slot(dispatch._fused, op, i), "fn", f"{op}.{what}") for op in dispatch._fused
+           for i, what in ((0, "why_not"), (1, "run"))]
+    out += [(_Slot(dispatch._row_kernels, name), "fn", f"row kernel {name}") for name in dispatch._row_kernels]
+    out += [(kmoe, "_moe_forward", "kernels.moe._moe_forward"), (runtime, "check_grid_fits", "runtime.check_grid_fits"),
+            (kmoe._Control, "launch", "moe._Control.launch (Triton launch)"),
+            (kmoe, "forward_configs", "kernels.moe.forward_configs"), (dispatch, "try_fused", "dispatch.try_fused")]
+    return out
+
+
 def main(layer: str, T: int, steps: int = 20) -> None:
     import kosmos  # noqa: F401  (registers the backend)
     from kosmos.ops import moe as om, moe_math as mm
@@ -33,6 +72,7 @@ def main(layer: str, T: int, steps: int = 20) -> None:
     f = torch.compile(block, backend="kosmos")
     # module globals, looked up at each call: the op's body (kosmos.ops.moe) and its math (moe_math) bind their own
     targets = [(mod, name, name) for name in PIECES for mod in (om, mm) if name in vars(mod)]
+    targets += _kernel_targets()
 
     def step():
         out = f(x)

@@ -1,13 +1,14 @@
 """A test module's Triton-interpreter cases, run in subprocesses (TRITON_INTERPRET must be set before triton is
-imported and must not leak into other tests): `run_cases` runs there (the module's __main__) and prints the report,
-`collect` starts them (one per core, up to 4, the cases dealt out among them) and merges their reports; each test
-then checks its case's entry."""
+imported and must not leak into other tests): `run_cases` runs there (the module's __main__) and prints the report
+(each case's outcome and seconds), `collect` starts them (one per core, up to 4, the cases dealt out among them)
+and merges their reports; each test then checks its case's entry."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -20,10 +21,12 @@ def run_cases(cases, namespace: dict, *args) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     report = {}
     for name in sys.argv[1:] or cases:
+        t0 = time.perf_counter()
         try:
             report[name] = {"ok": True, "info": namespace["case_" + name](*args)}
         except Exception as e:  # noqa: BLE001
             report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}
+        report[name]["secs"] = round(time.perf_counter() - t0, 1)
     print("REPORT " + json.dumps(report))
 
 
@@ -50,4 +53,5 @@ def collect(path: str, timeout: int, cases) -> dict:
 
 def check(report: dict, case: str) -> None:
     r = report[case]
+    print(f"{case}: {r.get('secs')} s in its subprocess")  # shown with -rP / on failure: where the batch's time goes
     assert r["ok"], r.get("error", "") + "\n" + r.get("tb", "")

@@ -99,7 +99,7 @@ def case_missing_signal_raises(torch, SimWorld):
     sw = SimWorld(1, device="cpu")
     h, rw, gu, d = _inputs(torch, 17, 32, 32, 8, torch.float16, 4)
     n_tiles = 2  # T=17 in tiles of the interpreter config's 16 tokens; the SCAN task is task n_tiles
-    runtime.set_spin_timeout(0.05)
+    runtime.set_spin_timeout(0.0002)  # the interpreter counts one spin as 1 us: 200 spins, not 50000
     try:
         try:
             sw.moe_layer(h, rw, None, None, gu, d, 2, drop_signal=(0, n_tiles))
@@ -159,7 +159,7 @@ def case_backward_missing_signal_raises(torch, SimWorld):
     sw = SimWorld(1, device="cpu")
     h, rw, gu, d = _inputs(torch, 17, 32, 32, 8, torch.float16, 7)
     n_tiles = 2  # T=17 in the interpreter config's 16-token tiles: DISPATCH tasks are n_tiles + 1 ...
-    runtime.set_spin_timeout(0.05)
+    runtime.set_spin_timeout(0.0002)  # the interpreter counts one spin as 1 us: 200 spins, not 50000
     try:
         try:
             sw.moe_layer_backward(torch.randn_like(h), None, h, rw, None, None, gu, d, 2,

@@ -626,17 +626,22 @@ def strip_renorm(walk: _Walk, weights: Any) -> tuple[Any, bool]:
 
 
 def _match_softmax_router(walk: _Walk, ex: _Experts):
-    """Qwen3-MoE / Mixtral: probs = softmax(linear(h, W), -1, fp32); v, i = topk(probs, k); v /= v.sum(-1); v.to(dt)."""
+    """Qwen3-MoE / Qwen2-MoE / OLMoE / Mixtral / DeepSeek-V2 (greedy): probs = softmax(linear(h, W), -1, fp32) (or
+    softmax of the logits cast to fp32, the same math); v, i = topk(probs, k) (sorted or not: the same experts, in
+    another slot order, which the op's contract leaves open); v /= v.sum(-1)?; v *= scale?; v.to(dt)?."""
     topk = walk.getitem(ex.topk_ids, 1, "router top-k ids")
     walk.call(topk, ("topk",), "router top-k")
     _const(_arg(topk, 1, "k"), ex.top_k, "router top-k k")
     _dim_last(topk, 2, 2, "router top-k")
-    _const((_arg(topk, 3, "largest", True), _arg(topk, 4, "sorted", True)), (True, True), "router top-k largest/sorted")
+    _const(_arg(topk, 3, "largest", True), True, "router top-k largest")
     probs = walk.call(topk.args[0], ("softmax",), "router probabilities")
     _dim_last(probs, 1, 2, "router softmax")
     if _dtype(probs) != torch.float32:
         raise _NoMatch(f"{probs.name}: router softmax in {_dtype(probs)}, expected float32")
     logits = probs.args[0]
+    if op_name(logits) in _CASTS and op_name(logits.args[0]) == "linear" and _dtype(logits) == torch.float32:
+        walk.call(logits, _CASTS, "router logits cast")  # softmax(x.float()) is softmax(x, dtype=float32)
+        logits = logits.args[0]
     h, w, b, rd = _router_linear(walk, logits)
     weights = ex.topk_weights
     if op_name(weights) in _CASTS:
@@ -645,10 +650,26 @@ def _match_softmax_router(walk: _Walk, ex: _Experts):
         weights = walk.strip(weights, _CASTS)
     elif _dtype(weights) != _dtype(logits):
         raise _NoMatch(f"{weights.name}: routing weights in {_dtype(weights)}, not the logits' {_dtype(logits)}")
+    weights, scale = _strip_scaling(walk, weights)
     weights, norm = strip_renorm(walk, weights)
     if walk.getitem(weights, 0, "router top-k values") is not topk:
         raise _NoMatch(f"{weights.name}: routing weights are not the top-k values")
-    return logits, h, w, b, None, RouterConfig(ex.top_k, "softmax", norm, router_dtype=rd)
+    return logits, h, w, b, None, RouterConfig(ex.top_k, "softmax", norm, routed_scaling_factor=scale,
+                                               router_dtype=rd)
+
+
+def _strip_scaling(walk: _Walk, weights: Any) -> tuple[Any, float]:
+    """weights = w * s for a Python float s -> (w, s); anything else -> (weights, 1.0)."""
+    if op_name(weights) != "mul":
+        return weights, 1.0
+    walk.call(weights, ("mul",), "routed scaling")
+    a, c = weights.args
+    if not isinstance(a, (int, float)) and not isinstance(c, (int, float)):
+        factor = c if op_name(a) in _DIVS + ("gather", "getitem") else a
+        raise _NoMatch(f"{weights.name}: the routed scaling factor {_describe(factor)} is not a constant (a "
+                       "symbolic float under torch.compile(dynamic=True)?); the op needs a Python float")
+    weights, scale = (a, c) if isinstance(c, (int, float)) else (c, a)
+    return weights, float(scale)
 
 
 def _match_grouped_router(walk: _Walk, ex: _Experts):
@@ -710,22 +731,14 @@ def _match_grouped_router(walk: _Walk, ex: _Experts):
     logits = scores.args[0]
     h, w, b, rd = _router_linear(walk, logits)
     # weights: [cast] <- [mul scale] <- [div (sum + eps)] <- gather(scores, 1, ids)
-    weights, norm, scale = ex.topk_weights, False, 1.0
+    weights, norm = ex.topk_weights, False
     if op_name(weights) in _CASTS:
         if _dtype(weights) != _dtype(logits):
             raise _NoMatch(f"{weights.name}: routing weights cast to {_dtype(weights)}, not the logits' {_dtype(logits)}")
         weights = walk.strip(weights, _CASTS)
     if _dtype(weights) != _dtype(logits):
         raise _NoMatch(f"{weights.name}: routing weights in {_dtype(weights)}, not the logits' {_dtype(logits)}")
-    if op_name(weights) == "mul":
-        walk.call(weights, ("mul",), "routed scaling")
-        a, c = weights.args
-        if not isinstance(a, (int, float)) and not isinstance(c, (int, float)):
-            factor = c if op_name(a) in _DIVS + ("gather",) else a
-            raise _NoMatch(f"{weights.name}: the routed scaling factor {_describe(factor)} is not a constant (a "
-                           "symbolic float under torch.compile(dynamic=True)?); the op needs a Python float")
-        weights, scale = (a, c) if isinstance(c, (int, float)) else (c, a)
-        scale = float(scale)
+    weights, scale = _strip_scaling(walk, weights)
     if op_name(weights) in _DIVS:
         walk.call(weights, _DIVS, "router renormalisation")
         values, denom = weights.args
@@ -800,21 +813,23 @@ def _pairs(graph: fx.Graph) -> tuple[list[tuple[fx.Node, fx.Node]], list[LeftAlo
 
 
 def find_moe_layers(graph: fx.Graph) -> tuple[list[MoeLayerMatch], list[LeftAlone], set[fx.Node]]:
-    """All HF MoE blocks of the graph that kosmos::moe_layer can replace, the candidates left alone, and the
-    top-k ids nodes of every grouped_mm experts block (matched or not)."""
+    """All HF MoE blocks of the graph that kosmos::moe_layer can replace, the candidates left alone, and the nodes
+    that tie a router to an experts block seen here: the top-k ids of every block whose experts matched, the
+    grouped GEMMs (or kosmos call) of those whose experts did not (their reason is already in `left`)."""
     pairs, left = _pairs(graph)
     candidates = [(functools.partial(_match_experts, down_gemm=down, up_gemm=up), "grouped GEMMs not in HF grouped_mm "
-                   "experts form", (up.name, down.name)) for up, down in pairs]
+                   "experts form", (up, down)) for up, down in pairs]
     candidates += [(functools.partial(_match_kosmos_experts, call=n), "expert-parallel kosmos::moe_experts",
-                    (n.name,)) for n in graph.nodes
+                    (n,)) for n in graph.nodes
                    if op_name(n) == "moe_experts" and n.op == "call_function" and _arg(n, 6, "ep_group_name", None)]
     matches, claimed = [], set()
-    for match_experts, what, names in candidates:
+    for match_experts, what, experts_nodes in candidates:
         walk = _Walk()
         try:
             ex = match_experts(walk)
         except _NoMatch as e:
-            left.append(LeftAlone(f"{what}: {e}", names))
+            left.append(LeftAlone(f"{what}: {e}", tuple(n.name for n in experts_nodes)))
+            claimed.update(experts_nodes)
             continue
         claimed.add(ex.topk_ids)
         shapes = dict(T=_shape(ex.hidden)[0] if _shape(ex.hidden) else "?", H=(_shape(ex.hidden) or "??")[1],
@@ -861,12 +876,13 @@ def find_moe_layers(graph: fx.Graph) -> tuple[list[MoeLayerMatch], list[LeftAlon
     return matches, left, claimed
 
 
-def _reaches_reported_gemm(topk: fx.Node, limit: int = 200) -> bool:
-    """The top-k's data reaches, within `limit` nodes, a grouped GEMM an earlier MoE pass refused and recorded."""
+def _reaches_reported_gemm(topk: fx.Node, refused: set, limit: int = 200) -> bool:
+    """The top-k's data reaches, within `limit` nodes, a grouped GEMM whose block was refused with its reason: by
+    an earlier MoE pass (node meta) or by this one (`refused`)."""
     seen, frontier = {topk}, [topk]
     while frontier and len(seen) < limit:
         n = frontier.pop(0)
-        if n.meta.get("kosmos_moe_reported"):
+        if n.meta.get("kosmos_moe_reported") or n in refused:
             return True
         for u in n.users:
             if u not in seen:
@@ -892,7 +908,7 @@ def find_unmatched_routers(graph: fx.Graph, claimed: set[fx.Node]) -> list[LeftA
             continue
         if any(op_name(x) == "moe_experts" for x in seen):  # experts_implementation="kosmos": already one kosmos call
             continue
-        if _reaches_reported_gemm(found):  # an earlier MoE pass refused this block and said why
+        if _reaches_reported_gemm(found, claimed):  # its experts block was refused, with its reason
             continue
         left.append(LeftAlone(
             f"router {n.name} -> {found.name} without HF grouped_mm experts (the experts implementation is not "

@@ -1,8 +1,9 @@
 """Pre-grad MoE pass: finds HF transformers v5 MoE blocks in the Dynamo graph and replaces each by one
 `kosmos::moe_layer` call (see kosmos/ops/moe.py for the op's semantics).
 
-The block it matches is the router of Qwen3-MoE (linear -> softmax -> top-k [-> renorm] -> cast) or DeepSeek-V3
-(fp32 linear -> sigmoid [+ e_score_correction_bias] -> group-limited top-k -> gather [-> renorm] -> scale)
+The block it matches is a softmax router (linear [-> .float()] -> softmax -> top-k [-> renorm] [-> scale] [->
+cast]: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral in fp32, DeepSeek-V2's greedy top-k) or DeepSeek-V3's (fp32 linear ->
+sigmoid [+ e_score_correction_bias] -> group-limited top-k -> gather [-> renorm] -> scale; GLM-4.5, dots.llm1)
 followed by HF's `grouped_mm` experts implementation (the default): sort -> histc -> cumsum offsets ->
 grouped GEMM gate_up -> SiLU * up -> grouped GEMM down -> weighting -> inverse permutation -> fold. The grouped
 GEMM is `torch._grouped_mm` (CUDA, CPU bf16) or `transformers::grouped_mm_fallback` (other dtypes); transformers

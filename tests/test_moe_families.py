@@ -24,6 +24,12 @@ FAMILIES = {  # name: (model class, config class, config beyond SMALL); every la
         q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4)),
     # Qwen3-MoE's router; a shared expert behind a sigmoid gate
     "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(num_experts=8, shared_expert_intermediate_size=32)),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=8)),
+    # DeepSeek-V3's router (sigmoid, correction bias, group-limited top-k)
+    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(n_routed_experts=8, n_group=2, topk_group=1,
+                                                          first_k_dense_replace=0, n_shared_experts=1)),
+    "dots1": ("Dots1ForCausalLM", "Dots1Config", dict(n_routed_experts=8, n_group=2, topk_group=1,
+                                                     first_k_dense_replace=0, n_shared_experts=1)),
     "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(num_local_experts=8)),
     "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(moe_num_experts=8, moe_k=2,
                                                                           moe_num_shared_experts=0,
@@ -52,6 +58,17 @@ def test_rewritten_and_matches_eager(name, dtype):
     tol = FP32_TOL if dtype == "float32" else BF16_TOL
     assert rel_err(run.loss, run.eager_loss) <= tol, (run.loss, run.eager_loss)
     assert_close_grads(run.grads, run.eager_grads, tol)
+
+
+@pytest.mark.parametrize("name,router", [("olmoe", "softmax top-2"), ("glm4_moe", "sigmoid top-2 of 1/2 groups"),
+                                         ("dots1", "sigmoid top-2 of 1/2 groups")])
+def test_every_block_rewritten(name, router):
+    """The pass alone on the Dynamo graph: each MoE block becomes one moe_layer (the numerics of these router forms:
+    Qwen3-MoE's and DeepSeek-V3's in test_moe_numerics.py)."""
+    report = _pass_on(dynamo_graphs(build(name), token_ids()))
+    assert report.left_alone == [], str(report)
+    assert len(report.rewrites) == SMALL["num_hidden_layers"]
+    assert all(router in r.reason for r in report.rewrites), [r.reason for r in report.rewrites]
 
 
 def test_deepseek_v2_router_read_as_scaled_softmax():

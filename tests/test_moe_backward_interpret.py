@@ -207,7 +207,7 @@ def _args(h, E=4, I=16, router_bias=None, **over):
              router_bias=router_bias, score_correction_bias=None, gate_up_proj=torch.randn(E, 2 * I, H),
              down_proj=torch.randn(E, H, I), top_k=2, scoring="softmax", norm_topk_prob=True, n_group=1,
              topk_group=1, routed_scaling_factor=1.0, router_dtype=None, activation="silu", ep_group_name=None,
-             ep_world_size=1, ep_mode="all_to_all", saved_up=torch.randn(0, 2 * I))
+             ep_world_size=1, ep_mode="all_to_all", weights_dtype=None, saved_up=torch.randn(0, 2 * I))
     a.update(over)
     return tuple(a.values())
 

@@ -234,7 +234,7 @@ def case_ops_layer_group_launch_matches_fake_impl(torch, SimWorld):
     go = torch.randn_like(h)
     args = (h[0], rw, None, None, gu[0], d[0], 2, "softmax", True, 1, 1, 1.0, None, "silu", True, "g", 1, "all_to_all")
     bargs = (go[0], None, h[0], rw, None, None, gu[0], d[0], 2, "softmax", True, 1, 1, 1.0, None, "silu", "g", 1,
-             "all_to_all")
+             "all_to_all", None)  # (None: weights_dtype)
     workspace = group_launch._workspace
     group_launch._workspace = lambda group_name, device, ws, rank: (sw.workspace, 0)
     try:

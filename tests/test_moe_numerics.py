@@ -143,7 +143,7 @@ def test_backward_follows_the_forwards_routing(router):
             _, _, wts, _ = moe_ops._route_forward(h, w, rb, sb, *router_args, ids=routing)
             saved_up = moe_ops.experts(h.detach(), routing, wts, gu.detach(), d.detach(), return_up=True)[2]
         plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
-        grads = torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all", saved_up,
+        grads = torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all", None, saved_up,
                                                     routing.to(torch.int32))
         return [g for g in (grads[0], grads[1], grads[4] if rb is not None else None, grads[2], grads[3])
                 if g is not None]
@@ -154,7 +154,7 @@ def test_backward_follows_the_forwards_routing(router):
     assert max(rel_err(a, b) for a, b in zip(backward(ids), ref)) > 1e-3
     with pytest.raises(ValueError, match="saved_up without topk_ids"):
         plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
-        torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all",
+        torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all", None,
                                             torch.zeros(h.shape[0] * k + w.shape[0], gu.shape[1]), None)
 
 
@@ -231,7 +231,7 @@ def test_backward_reads_the_forwards_logits(router):
     go = torch.randn(h.shape)
 
     def backward(router_logits):
-        return torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all", saved_up.clone(),
+        return torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all", None, saved_up.clone(),
                                                    topk_ids, router_logits)
 
     given, recomputed = backward(logits), backward(None)

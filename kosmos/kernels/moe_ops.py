@@ -257,12 +257,23 @@ def _ep_reason(hidden, gate_up_proj, group_name, world, ep_mode, local_reason) -
     return _agree(group_name, hidden, local_reason())
 
 
+def _weights_reason(hidden, router_dtype, weights_dtype) -> Optional[str]:
+    """The fused kernels round the routing weights to the logits' dtype (every router's rule but Mixtral's)."""
+    if weights_dtype is None or weights_dtype == (router_dtype or hidden.dtype):
+        return None
+    return (f"routing weights kept in {weights_dtype} (Mixtral's router) with {router_dtype or hidden.dtype} "
+            "logits: the fused kernels round the weights to the logits' dtype")
+
+
 def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                       scoring, norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
                       activation="silu", return_router_logits=False, ep_group_name=None, ep_world_size=1,
-                      ep_mode="all_to_all", save_up=True) -> Optional[str]:
+                      ep_mode="all_to_all", save_up=True, weights_dtype=None) -> Optional[str]:
     if not enabled("forward"):
         return f"fused MoE forward switched off ({ENV}={os.environ.get(ENV)})"
+    reason = _weights_reason(hidden, router_dtype, weights_dtype)  # alike on every EP rank: a graph constant
+    if reason is not None:
+        return reason
     reason = _device_reason(hidden) or _default_forward_reason(hidden, router_dtype, ep_group_name)
     if reason is not None:
         return reason
@@ -279,7 +290,7 @@ def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias,
 def run_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
                   norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
                   activation="silu", return_router_logits=False, ep_group_name=None, ep_world_size=1,
-                  ep_mode="all_to_all", save_up=True):
+                  ep_mode="all_to_all", save_up=True, weights_dtype=None):
     if ep_group_name is not None:  # saved_up is empty under EP: the backward recomputes the up projection
         from kosmos.kernels.moe_ep_group import moe_ep_forward_group
 
@@ -317,10 +328,14 @@ def why_not_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weig
                                score_correction_bias, gate_up_proj, down_proj, top_k, scoring, norm_topk_prob,
                                n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
                                activation="silu", ep_group_name=None, ep_world_size=1,
-                               ep_mode="all_to_all", saved_up=None, topk_ids=None, router_logits=None) -> Optional[str]:
+                               ep_mode="all_to_all", weights_dtype=None, saved_up=None, topk_ids=None,
+                               router_logits=None) -> Optional[str]:
     if not enabled("backward"):
         return (f"fused MoE backward is opt-in ({ENV}=1): slower than this reference impl on an H200 "
                 "(benchmarks/RESULTS.md)")
+    reason = _weights_reason(hidden, router_dtype, weights_dtype)
+    if reason is not None:
+        return reason
     reason = _device_reason(hidden)
     if reason is not None:
         return reason
@@ -338,7 +353,8 @@ def why_not_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weig
 def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias,
                            gate_up_proj, down_proj, top_k, scoring, norm_topk_prob, n_group=1, topk_group=1,
                            routed_scaling_factor=1.0, router_dtype=None, activation="silu", ep_group_name=None,
-                           ep_world_size=1, ep_mode="all_to_all", saved_up=None, topk_ids=None, router_logits=None):
+                           ep_world_size=1, ep_mode="all_to_all", weights_dtype=None, saved_up=None, topk_ids=None,
+                           router_logits=None):
     """saved_up, topk_ids and router_logits are not read: the fused backward routes again in its own kernel (the
     same tiles and bits as the fused forward's routing) and recomputes the up projection in its own tiles."""
     if ep_group_name is not None:

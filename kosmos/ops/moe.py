@@ -7,7 +7,7 @@ Semantics (the MoE pass rewrites HF blocks to exactly this; the fused CUDA kerne
 moe_layer(hidden [T, H], router_weight [E, H], router_bias [E]?, score_correction_bias [E]?,
           gate_up_proj [E, 2I, H], down_proj [E, H, I], top_k, scoring, norm_topk_prob, n_group, topk_group,
           routed_scaling_factor, router_dtype, activation, return_router_logits, ep_group_name, ep_world_size,
-          ep_mode="all_to_all")
+          ep_mode="all_to_all", save_up=True, weights_dtype=None)
     -> (out [T, H] in hidden's dtype, router_logits [T, E] (under EP [0, E] unless return_router_logits; without
         EP always: the backward reads them instead of running the router GEMM again),
         tokens_per_expert [E] int32, saved_up [T * k + E, 2I] in gate_up_proj's dtype ([0, 2I] under EP),
@@ -29,7 +29,7 @@ moe_layer(hidden [T, H], router_weight [E, H], router_bias [E]?, score_correctio
             weights = scores.gather(-1, ids)
             weights /= weights.sum(-1, keepdim=True) + (1e-20 if scoring == "sigmoid" else 0)  if norm_topk_prob
         weights *= routed_scaling_factor                   (skipped when it is 1.0 and scoring is "softmax")
-        weights  = weights.to(logits.dtype)
+        weights  = weights.to(weights_dtype or logits.dtype)   (Mixtral keeps its fp32 weights: weights_dtype)
     experts (HF `grouped_mm` experts, no token dropping; every (token, slot) pair is computed):
         for each pair (t, j), e = ids[t, j]:
             gate, up = (hidden[t].to(W) @ gate_up_proj[e].T).chunk(2)             # W = gate_up_proj.dtype
@@ -60,8 +60,10 @@ profile, benchmarks/RESULTS.md eighth session).
 
 Backward ops (one launch per direction; registered as the ops' autograd, so after AOT autograd the backward
 graph holds one call per MoE layer):
-    moe_layer_backward(grad_out, grad_router_logits?, <moe_layer's inputs but return_router_logits>, saved_up?,
-                       topk_ids?, router_logits?)
+    moe_layer_backward(grad_out, grad_router_logits?, <moe_layer's inputs to ep_mode but return_router_logits>,
+                       weights_dtype?, saved_up?, topk_ids?, router_logits?)
+        (weights_dtype ahead of saved_up: Inductor's lowering of this mutating op loses a non-tensor argument
+        after the mutated one)
         -> (d_hidden, d_router_weight, d_gate_up_proj, d_down_proj, d_router_bias ([0] without router_bias))
         saved_up is overwritten (its storage holds the SwiGLU backward's d_up, then d_hidden): a second backward
         through the same saved tensors never reads it. Eagerly autograd's version check raises; in a compiled graph
@@ -226,19 +228,22 @@ def moe_layer(
     ep_world_size: int = 1,
     ep_mode: str = "all_to_all",
     save_up: bool = True,
+    weights_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """save_up=False: the saved up rows (output 3) come back empty [0, 2I] and are never written (what
     kosmos.passes.unused_saved_up sets where nothing reads them: graphs without a backward); a backward given them
-    recomputes the up projection."""
+    recomputes the up projection. weights_dtype: the routing weights' dtype (None: the logits'; Mixtral's router
+    leaves them in fp32, so its bf16 products and fold run in fp32)."""
     args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
             norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
-            return_router_logits, ep_group_name, ep_world_size, ep_mode, save_up)
+            return_router_logits, ep_group_name, ep_world_size, ep_mode, save_up, weights_dtype)
     _check_layer_args(*args)
     done, fused_out = dispatch.try_fused("moe_layer", hidden.device, *args)
     if done:
         return fused_out
     logits, ids, weights = route(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring,
-                                 norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype)
+                                 norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
+                                 weights_dtype)
     _check_ep_group("moe_layer", ep_group_name, ep_world_size)
     if ep_group_name is None:
         out, counts, *up = experts(hidden, ids, weights, gate_up_proj, down_proj, activation, return_up=save_up)
@@ -271,8 +276,11 @@ def no_saved_up(gate_up_proj: torch.Tensor) -> torch.Tensor:
 
 def _check_layer_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                       scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
-                      return_router_logits, ep_group_name, ep_world_size, ep_mode="all_to_all", save_up=True):
+                      return_router_logits, ep_group_name, ep_world_size, ep_mode="all_to_all", save_up=True,
+                      weights_dtype=None):
     _check_experts_args("moe_layer", hidden, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
+    if weights_dtype is not None and not weights_dtype.is_floating_point:
+        raise ValueError(f"kosmos::moe_layer: weights_dtype must be a floating dtype or None, got {weights_dtype}")
     if ep_mode not in EP_MODES:
         raise ValueError(f"kosmos::moe_layer: ep_mode must be one of {EP_MODES}, got {ep_mode!r}")
     if ep_mode == "all_reduce" and ep_group_name is None:
@@ -285,10 +293,10 @@ def _check_layer_args(hidden, router_weight, router_bias, score_correction_bias,
 def _moe_layer_fake(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                     scoring, norm_topk_prob, n_group=1, topk_group=1, routed_scaling_factor=1.0, router_dtype=None,
                     activation="silu", return_router_logits=False, ep_group_name=None, ep_world_size=1,
-                    ep_mode="all_to_all", save_up=True):
+                    ep_mode="all_to_all", save_up=True, weights_dtype=None):
     _check_layer_args(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                       scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
-                      return_router_logits, ep_group_name, ep_world_size, ep_mode, save_up)
+                      return_router_logits, ep_group_name, ep_world_size, ep_mode, save_up, weights_dtype)
     e = gate_up_proj.shape[0] * ep_world_size
     logits_dtype = router_dtype or hidden.dtype
     rows = hidden.shape[0] if return_router_logits or ep_group_name is None else 0
@@ -323,13 +331,14 @@ def moe_layer_backward(
     ep_group_name: Optional[str],
     ep_world_size: int,
     ep_mode: str = "all_to_all",
+    weights_dtype: Optional[torch.dtype] = None,
     saved_up: Optional[torch.Tensor] = None,
     topk_ids: Optional[torch.Tensor] = None,
     router_logits: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     args = (grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
             down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
-            activation, ep_group_name, ep_world_size, ep_mode, saved_up, topk_ids, router_logits)
+            activation, ep_group_name, ep_world_size, ep_mode, weights_dtype, saved_up, topk_ids, router_logits)
     with_saved_up, forward_ids = _check_saved_state(saved_up, topk_ids, hidden, gate_up_proj, top_k, ep_group_name)
     forward_logits = _check_saved_logits(router_logits, forward_ids, hidden, router_weight, router_dtype)
     done, fused_out = dispatch.try_fused("moe_layer_backward", hidden.device, *args)
@@ -337,7 +346,7 @@ def moe_layer_backward(
         return _backward_outputs(fused_out, router_weight)
     routed = _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring, norm_topk_prob,
                             n_group, topk_group, routed_scaling_factor, router_dtype, ids=forward_ids,
-                            logits=forward_logits)
+                            logits=forward_logits, weights_dtype=weights_dtype)
     _, ids, weights, route_state = routed
     # the router's cast copy of hidden ([T, H] fp32 for DeepSeek-V3's router) is made again after the experts'
     # backward instead of being kept through it (their peak memory)
@@ -428,7 +437,7 @@ def _moe_layer_backward_fake(grad_out, grad_router_logits, hidden, router_weight
 
 _LAYER_SCALARS = ("top_k", "scoring", "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
                   "router_dtype", "activation", "return_router_logits", "ep_group_name", "ep_world_size", "ep_mode",
-                  "save_up")
+                  "save_up", "weights_dtype")
 
 
 def _moe_layer_setup_context(ctx, inputs, output):
@@ -466,7 +475,7 @@ def _moe_layer_autograd(ctx, grad_out, grad_router_logits, _grad_counts, _grad_s
         grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
         down_proj, s["top_k"], s["scoring"], s["norm_topk_prob"], s["n_group"], s["topk_group"],
         s["routed_scaling_factor"], s["router_dtype"], s["activation"], s["ep_group_name"], s["ep_world_size"],
-        s["ep_mode"], saved_up, topk_ids, router_logits if s["ep_group_name"] is None else None,
+        s["ep_mode"], s["weights_dtype"], saved_up, topk_ids, router_logits if s["ep_group_name"] is None else None,
     )
     d_hidden, d_router_weight, d_gate_up, d_down = grads[:4]
     d_router_bias = grads[4] if router_bias is not None else None

@@ -21,11 +21,12 @@ _SIGMOID_NORM_EPS = 1e-20  # DeepSeek-V3's renormalisation epsilon
 
 
 def _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring, norm_topk_prob,
-                   n_group, topk_group, routed_scaling_factor, router_dtype, ids=None, logits=None):
+                   n_group, topk_group, routed_scaling_factor, router_dtype, ids=None, logits=None,
+                   weights_dtype=None):
     """The router of the module docstring, keeping what its backward needs. ids [T, k] given: those choices
     instead of the top-k selection (the weights are the scores gathered there, normalised and scaled as usual).
     logits given: the router GEMM's output (then the state keeps hidden uncast: route_backward wants it cast to
-    router_dtype, which the caller does when it needs it)."""
+    router_dtype, which the caller does when it needs it). weights_dtype: the weights' dtype (None: the logits')."""
     if router_dtype is not None:
         router_weight = router_weight.to(router_dtype)
         router_bias = router_bias.to(router_dtype) if router_bias is not None else None
@@ -63,14 +64,15 @@ def _route_forward(hidden, router_weight, router_bias, score_correction_bias, to
     weights = normed * routed_scaling_factor if scaled else normed
     state = dict(hidden=hidden, router_weight=router_weight, scores=scores, normed=normed, denominator=denominator,
                  scaled=scaled)
-    return logits, ids, weights.to(logits.dtype), state
+    return logits, ids, weights.to(weights_dtype or logits.dtype), state
 
 
 def route(hidden, router_weight, router_bias, score_correction_bias, top_k: int, scoring: str, norm_topk_prob: bool,
-          n_group: int, topk_group: int, routed_scaling_factor: float, router_dtype):
+          n_group: int, topk_group: int, routed_scaling_factor: float, router_dtype, weights_dtype=None):
     """The router of the module docstring: returns (logits [T, E], topk_ids [T, k], topk_weights [T, k])."""
     logits, ids, weights, _ = _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring,
-                                             norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype)
+                                             norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
+                                             weights_dtype=weights_dtype)
     return logits, ids, weights
 
 

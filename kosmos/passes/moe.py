@@ -172,6 +172,7 @@ class RouterConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     router_dtype: Optional[torch.dtype] = None
+    weights_dtype: Optional[torch.dtype] = None  # the routing weights' dtype when it is not the logits' (Mixtral)
 
     def text(self) -> str:
         s = f"{self.scoring} top-{self.top_k}"
@@ -181,6 +182,8 @@ class RouterConfig:
             s += ", renormalised"
         if self.routed_scaling_factor != 1.0:
             s += f", x{self.routed_scaling_factor:g}"
+        if self.weights_dtype is not None:
+            s += f", weights in {str(self.weights_dtype).replace('torch.', '')}"
         return s
 
 
@@ -224,8 +227,10 @@ class MoeLayerMatch:
             args = (self.hidden, self.router_weight, self.router_bias, self.score_correction_bias, gate_up, down,
                     r.top_k, r.scoring, r.norm_topk_prob, r.n_group, r.topk_group, r.routed_scaling_factor,
                     r.router_dtype, "silu", self.with_logits, self.ep[0], self.ep[1])
-            if self.ep_mode != "all_to_all":
+            if self.ep_mode != "all_to_all" or r.weights_dtype is not None:
                 args += (self.ep_mode,)
+            if r.weights_dtype is not None:
+                args += (True, r.weights_dtype)  # save_up, weights_dtype
             return emit_moe_layer(graph, args, self.output, self.logits, self.with_logits, region)
 
     def erase(self, graph: fx.Graph) -> None:
@@ -644,19 +649,22 @@ def _match_softmax_router(walk: _Walk, ex: _Experts):
         walk.call(logits, _CASTS, "router logits cast")  # softmax(x.float()) is softmax(x, dtype=float32)
         logits = logits.args[0]
     h, w, b, rd = _router_linear(walk, logits)
-    weights = ex.topk_weights
+    weights, weights_dtype = ex.topk_weights, None
     if op_name(weights) in _CASTS:
         if _dtype(weights) != _dtype(logits):
             raise _NoMatch(f"{weights.name}: routing weights cast to {_dtype(weights)}, not the logits' {_dtype(logits)}")
         weights = walk.strip(weights, _CASTS)
     elif _dtype(weights) != _dtype(logits):
-        raise _NoMatch(f"{weights.name}: routing weights in {_dtype(weights)}, not the logits' {_dtype(logits)}")
+        if _dtype(weights) != torch.float32:
+            raise _NoMatch(f"{weights.name}: routing weights in {_dtype(weights)}, neither the logits' "
+                           f"{_dtype(logits)} nor the softmax's float32")
+        weights_dtype = torch.float32  # Mixtral: the softmax's fp32 values, never cast back
     weights, scale = _strip_scaling(walk, weights)
     weights, norm = strip_renorm(walk, weights)
     if walk.getitem(weights, 0, "router top-k values") is not topk:
         raise _NoMatch(f"{weights.name}: routing weights are not the top-k values")
     return logits, h, w, b, None, RouterConfig(ex.top_k, "softmax", norm, routed_scaling_factor=scale,
-                                               router_dtype=rd)
+                                               router_dtype=rd, weights_dtype=weights_dtype)
 
 
 def _strip_scaling(walk: _Walk, weights: Any) -> tuple[Any, float]:

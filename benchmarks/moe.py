@@ -15,7 +15,8 @@ torch.compiler.cudagraph_mark_step_begin()): the host's launch work leaves the t
 the op's Python, so the kosmos mode that ran when the graph was recorded is the one replayed: one --modes entry.
 
 Layers: Qwen3-30B-A3B (H 2048, I 768, 128 experts, top-8), Qwen3-235B (H 4096, I 1536, 128, top-8),
-DeepSeek-V3 (H 7168, I 2048, 256 experts, top-8, 1 shared expert; group-limited sigmoid router). Random weights
+DeepSeek-V3 (H 7168, I 2048, 256 experts, top-8, 1 shared expert; group-limited sigmoid router); beyond the issue's
+table, Mixtral-8x7B (H 4096, I 14336, 8 experts, top-2; fp32 routing weights on bf16). Random weights
 (nothing downloaded). Before timing, each variant's output is checked against HF eager (rel err); every time is
 a median over timed calls (`timed`: at least --min-reps, L2 flushed). fwd+bwd = forward + backward of sum(out * g)
 w.r.t. the hidden states and every weight. Dense same-FLOPs: the routed experts' matmuls as two plain GEMMs over T*k rows
@@ -37,6 +38,7 @@ LAYERS = {
     "qwen3_30b_a3b": dict(family="qwen3_moe", H=2048, I=768, E=128, k=8),
     "qwen3_235b": dict(family="qwen3_moe", H=4096, I=1536, E=128, k=8),
     "deepseek_v3": dict(family="deepseek_v3", H=7168, I=2048, E=256, k=8),
+    "mixtral_8x7b": dict(family="mixtral", H=4096, I=14336, E=8, k=2),  # (not in the issue's table)
 }
 TS = (4096, 8192, 16384)
 # (layer, T) -> (fwd ms, fwd+bwd ms) gated targets on one H200
@@ -54,6 +56,10 @@ def build_block(layer: str, device, dtype, tiny: bool = False):
                                num_experts_per_tok=d["k"], norm_topk_prob=True, num_attention_heads=8,
                                num_key_value_heads=4, head_dim=64)
         block_cls = T.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock
+    elif d["family"] == "mixtral":  # bf16 hidden states, fp32 routing weights (the op's weights_dtype)
+        cfg = T.MixtralConfig(hidden_size=d["H"], intermediate_size=d["I"], num_local_experts=d["E"],
+                              num_experts_per_tok=d["k"], num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+        block_cls = T.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock
     else:
         groups = 8 if not tiny else 2
         cfg = T.DeepseekV3Config(hidden_size=d["H"], moe_intermediate_size=d["I"], n_routed_experts=d["E"],

@@ -40,7 +40,10 @@ def layer_inputs(layer: str, T: int, device="cuda", dtype=torch.bfloat16):
                   router_dtype=torch.float32)
         return (hidden, rw, None, corr, gu, down, k), kw
     rw = torch.randn(E, H, device=device, dtype=dtype, generator=g) / H**0.5
-    return (hidden, rw, None, None, gu, down, k), dict(scoring="softmax", norm_topk_prob=True)
+    kw = dict(scoring="softmax", norm_topk_prob=True)
+    if d["family"] == "mixtral":  # its routing weights stay fp32 on bf16
+        kw["weights_dtype"] = torch.float32
+    return (hidden, rw, None, None, gu, down, k), kw
 
 
 def config_variant(base, variant: str):

@@ -116,12 +116,8 @@ def test_deepseek_v2_group_limited_router_left_alone():
                                         ("qwen2_moe", "bfloat16")])
 def test_rewritten_and_matches_eager_cuda(name, dtype):
     """On CUDA the rewritten calls take the fused forward (DeepSeek-V2: a softmax router in fp32 on bf16 hidden
-    states, scaled weights) and the default backward; bf16 Mixtral's fp32 weights take the reference forward, with
-    that reason in the report."""
+    states, scaled weights; bf16 Mixtral: fp32 routing weights) and the default backward."""
     run = compile_run(build(name, getattr(torch, dtype)).cuda(), token_ids().cuda())
     impls = {impl: why for (op, impl, why) in run.report.runtime if op == "moe_layer"}
-    if (name, dtype) == ("mixtral", "bfloat16"):
-        assert "routing weights kept in torch.float32" in impls.get("reference", ""), impls
-    else:
-        assert "fused" in impls, impls
+    assert list(impls) == ["fused"], impls
     _assert_one_call_per_direction_and_eager_numerics(run, dtype)

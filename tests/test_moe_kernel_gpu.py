@@ -36,15 +36,17 @@ def make(T, H, I, E, dtype, seed=0, router_scale=1.0):
 
 
 def run_and_check(h, rw, gu, d, top_k, *, router_bias=None, norm=True, rsf=1.0, router_dtype=None, programs=None,
-                  max_flipped_rows=2, scoring="softmax", correction=None, n_group=1, topk_group=1):
+                  max_flipped_rows=2, scoring="softmax", correction=None, n_group=1, topk_group=1,
+                  weights_dtype=None):
     from kosmos.kernels.moe import moe_forward
 
     out, logits, tpe, ids, w = moe_forward(h, rw, router_bias, correction, gu, d, top_k, scoring, norm, n_group,
                                            topk_group, routed_scaling_factor=rsf, router_dtype=router_dtype,
-                                           return_router_logits=True, programs=programs, return_routing=True)
+                                           return_router_logits=True, programs=programs, return_routing=True,
+                                           weights_dtype=weights_dtype)
     torch.cuda.synchronize()
     ref_logits, ref_ids, ref_w = route(h, rw, router_bias, correction, top_k, scoring, norm, n_group, topk_group, rsf,
-                                       router_dtype)
+                                       router_dtype, weights_dtype=weights_dtype)
     assert logits.dtype == ref_logits.dtype
     assert rel_err(logits, ref_logits) <= TOL[logits.dtype], "router logits"
     flipped = (ids.long().sort(dim=1).values != ref_ids.sort(dim=1).values).any(dim=1).sum().item()  # sets of ids
@@ -70,6 +72,26 @@ def test_top1_bias_scaling_no_renorm_router_fp32(dtype):
     h, rw, gu, d = make(333, 256, 128, 8, dtype, seed=3)
     bias = torch.linspace(-0.2, 0.2, 8, device="cuda").to(dtype)
     run_and_check(h, rw, gu, d, 1, router_bias=bias, norm=False, rsf=2.5, router_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("T,k", [(300, 2), (1000, 8)])
+def test_mixtral_fp32_weights_on_bf16(T, k):
+    """Mixtral's router on bf16: softmax in fp32, top-k renormalised, the weights kept in fp32 (weights_dtype) and
+    the fold's products in fp32. The kernel's weights are the reference's on rows routed alike (not their bf16
+    roundings), and the output is the reference experts' with those fp32 weights."""
+    h, rw, gu, d = make(T, 256, 128, 8, torch.bfloat16, seed=T + k)
+    out, logits, tpe, ids, w = run_and_check(h, rw, gu, d, k, weights_dtype=torch.float32)
+    ref_logits, ref_ids, ref_w = route(h, rw, None, None, k, "softmax", True, 1, 1, 1.0, None,
+                                       weights_dtype=torch.float32)
+    assert ref_w.dtype == torch.float32
+    # rows with the same logits and the same experts (near-ties may order them differently): weights per expert
+    same = (logits == ref_logits).all(dim=1) & (ids.long().sort(1).values == ref_ids.sort(1).values).all(dim=1)
+    assert same.sum() >= 0.9 * T, same.sum()
+    zeros = torch.zeros(T, 8, device="cuda")
+    per_expert, ref_per_expert = zeros.scatter(1, ids.long(), w)[same], zeros.scatter(1, ref_ids, ref_w)[same]
+    assert torch.allclose(per_expert, ref_per_expert, rtol=1e-6, atol=0), (per_expert - ref_per_expert).abs().max()
+    assert not torch.equal(w, w.bfloat16().float()), "the weights were rounded to bf16"
+    assert out.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

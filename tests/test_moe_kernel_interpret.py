@@ -21,7 +21,7 @@ import torch
 
 CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renorm", "empty_experts",
          "all_on_one_expert", "many_blocks_per_expert", "mixed_hidden_fp32_weights_fp16", "top2_one_token",
-         "counters_zeroed_and_error_word", "deepseek_v3_router_fp32", "sigmoid_fp16_plain",
+         "fp16_fp32_routing_weights", "counters_zeroed_and_error_word", "deepseek_v3_router_fp32", "sigmoid_fp16_plain",
          "softmax_grouped_corrected_fp16", "saved_up_fp16_ragged_two_i_chunks", "saved_up_empty_experts",
          "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token", "trace_rows",
          "exception_midway_leaves_counters_zeroed", "fold_groups_same_bits", "task_kind_matches_layout",
@@ -73,7 +73,7 @@ def _same_bits(torch, a, b):
 
 def _check(torch, h, rw, gu, d, top_k, *, tol, router_bias=None, norm=True, rsf=1.0, router_dtype=None,
            programs=(1, 3), scoring="softmax", correction=None, n_group=1, topk_group=1, save_up=False,
-           up_tol=None, config=None):
+           up_tol=None, config=None, weights_dtype=None):
     """Runs the kernel (logits returned) with each grid size; checks routing, logits, counts and output against the
     reference, bit-identical results across runs; with save_up also saved_up (_check_saved_up: up_tol None means
     exact) and that a run without it gives the same bits; returns a summary."""
@@ -81,11 +81,12 @@ def _check(torch, h, rw, gu, d, top_k, *, tol, router_bias=None, norm=True, rsf=
     from kosmos.ops.moe_math import experts, route
 
     E = gu.shape[0]
-    logits, ids, w = route(h, rw, router_bias, correction, top_k, scoring, norm, n_group, topk_group, rsf, router_dtype)
+    logits, ids, w = route(h, rw, router_bias, correction, top_k, scoring, norm, n_group, topk_group, rsf, router_dtype,
+                           weights_dtype=weights_dtype)
     ref, counts = experts(h, ids, w, gu, d)
     args = (h, rw, router_bias, correction, gu, d, top_k, scoring, norm, n_group, topk_group)
     kwargs = dict(routed_scaling_factor=rsf, router_dtype=router_dtype, return_router_logits=True, return_routing=True,
-                  config=config)
+                  config=config, weights_dtype=weights_dtype)
     runs = []
     for p in programs:
         with _NanWorkspaces(torch):
@@ -190,6 +191,25 @@ def case_many_blocks_per_expert(torch):
     # 70 tokens x top-2 over 4 experts: several 16-row blocks per expert, 5 token tiles, H and I over 2 chunks
     h, rw, gu, d = _inputs(torch, 70, 64, 32, 4, torch.float16, 6)
     return _check(torch, h, rw, gu, d, 2, tol=2e-3)
+
+
+def case_fp16_fp32_routing_weights(torch):
+    """Mixtral's router: the fp32 softmax values are the weights (weights_dtype), never rounded to the fp16 logits'
+    dtype; the fold's products are fp32. The kernel's weights are the reference's to fp32 rounding."""
+    h, rw, gu, d = _inputs(torch, 22, 32, 16, 6, torch.float16, 11)
+    res = _check(torch, h, rw, gu, d, 2, tol=2e-3, weights_dtype=torch.float32)
+    from kosmos.kernels.moe import moe_forward
+    from kosmos.ops.moe_math import route
+
+    _, ids, w = route(h, rw, None, None, 2, "softmax", True, 1, 1, 1.0, None, weights_dtype=torch.float32)
+    out, *_, kid, kw = moe_forward(h, rw, None, None, gu, d, 2, return_routing=True, weights_dtype=torch.float32)
+    assert w.dtype == torch.float32 and torch.equal(kid.long(), ids)
+    assert torch.allclose(kw, w, rtol=1e-6, atol=0), (kw - w).abs().max()  # a few fp32 ulps (exp, sum order)
+    assert not torch.equal(kw, kw.half().float()), "weights rounded to fp16"
+    rounded = moe_forward(h, rw, None, None, gu, d, 2)[0]
+    res["differs_from_rounded_weights"] = not torch.equal(rounded, out)
+    assert res["differs_from_rounded_weights"]
+    return res
 
 
 def case_mixed_hidden_fp32_weights_fp16(torch):

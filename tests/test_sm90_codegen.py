@@ -160,10 +160,10 @@ def _deepseek_v3_routing() -> dict:
 MOE_DIV16 = ("H", "I", "E", "h_ld", "o_ld", "rw_ld")
 
 
-def _compile_moe_forward(cfg, consts: dict, router: str, router_weight: str = None):
+def _compile_moe_forward(cfg, consts: dict, router: str, router_weight: str = None, w_f32: bool = False):
     """moe_forward_kernel for sm_90 with saved_up, as its launcher builds it: bf16 expert weights and hidden states,
     the biases and logits of dtype `router`, the router weight of `router_weight` (default `router`); RGEMM tasks
-    through TMA for the "bf16x3" router."""
+    through TMA for the "bf16x3" router; fp32 routing weights with w_f32."""
     rgemm_tma = cfg.router_gemm == 1 and consts["ROUTER_PRECISION"] == "bf16x3"
     from kosmos.kernels import moe
 
@@ -172,7 +172,7 @@ def _compile_moe_forward(cfg, consts: dict, router: str, router_weight: str = No
                              BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=True, USE_ASM=True,
                              FOLD_GROUPS=cfg.fold_groups, ROUTER_GEMM=cfg.router_gemm == 1, RGEMM_TMA=rgemm_tma,
                              RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, JOINT_GU=cfg.joint_gate_up,
-                             GATHER_UP=cfg.gather_up, EARLY_CLAIM=cfg.early_claim, TRACE=False),
+                             GATHER_UP=cfg.gather_up, EARLY_CLAIM=cfg.early_claim, TRACE=False, W_F32=w_f32),
                         dict(ctrl="i32", hidden=BF, rw=router_weight or router, rb=router, cb=router, logits=router,
                              ids_ptr="i32", w_ptr="fp32", rank_ptr="i32", counts="i32", meta="i32", tpe="i32",
                              x_sorted=BF, perm="i32", act=BF, saved_up=BF, y=BF, out=BF, trace="i64"),
@@ -200,6 +200,20 @@ def test_moe_forward(fold_groups, early_claim):
                               **moe.WIDE_FORWARD)
     consts = _qwen3_routing()
     _report(_compile_moe_forward(cfg, consts, BF))
+
+
+def test_moe_forward_fp32_routing_weights():
+    """The Qwen3 build with Mixtral's fp32 routing weights (W_F32: not rounded to bf16; the fold's products in fp32,
+    PD_F32): no wgmma serialization."""
+    import dataclasses
+
+    from kosmos.kernels import moe
+
+    cfg = dataclasses.replace(moe.CONFIGS["default"], **moe.WIDE_FORWARD)
+    consts = moe.routing_constexprs("softmax", True, 1, 1, 1.0, torch.bfloat16, None, None, 2, 8, torch.bfloat16,
+                                    torch.bfloat16, weights_dtype=torch.float32)
+    assert consts["PD_F32"]
+    _report(_compile_moe_forward(cfg, consts, BF, w_f32=True))
 
 
 def test_moe_forward_deepseek_router():

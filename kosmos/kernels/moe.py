@@ -2,8 +2,9 @@
 persistent, self-scheduling launch (`moe_forward`). Semantics: exactly the reference `route` + `experts` of
 kosmos.ops.moe: softmax or sigmoid scoring, optional router_bias and score_correction_bias, group-limited top-k
 (n_group a power of two / topk_group), renormalisation (+1e-20 for sigmoid), routed_scaling_factor, router_dtype,
-weights rounded to the logits dtype, with the reference's intermediate roundings emulated (sigmoid scores and
-their sums in the logits dtype). kosmos.kernels.moe_ops.why_not_moe_layer refuses the rest with a reason.
+weights rounded to the logits dtype (or kept in fp32: weights_dtype, Mixtral's router), with the reference's
+intermediate roundings emulated (sigmoid scores and their sums in the logits dtype).
+kosmos.kernels.moe_ops.why_not_moe_layer refuses the rest with a reason.
 
 Task stream (programs claim task indices from ONE atomic counter in device memory; a task's kind follows from
 arithmetic on its index; every producer precedes its consumers, so a wait is always on a task some running
@@ -32,10 +33,10 @@ done early idle for part of an UP tile).
 - ROUTE(tile of BT tokens): router GEMM (moe_route.router_logits: tl.dot over H, logits rounded to router_dtype, +
   router_bias; an fp32 router on 16-bit hidden states as two TF32 dots of the weight's split), softmax
   in fp32 or sigmoid, selection values (+ correction bias, group mask), top-k by repeated max (lowest expert id
-  wins a tie), renorm / scaling, weights rounded to the logits dtype; stores ids, weights and each pair's rank
-  among the tile's pairs of the same expert (token order), and the tile's per-expert pair counts as one row of the
-  count matrix [n_tiles, E] (computed in registers from
-  the selection mask, plain stores: no atomics, nothing to zero).
+  wins a tie), renorm / scaling, weights rounded to the logits dtype (not with W_F32); stores ids, weights and
+  each pair's rank among the tile's pairs of the same expert (token order), and the tile's per-expert pair counts
+  as one row of the count matrix [n_tiles, E] (computed in registers from the selection mask, plain stores: no
+  atomics, nothing to zero).
 - SCAN (one task): waits routed == n_tiles; per-expert totals (tokens_per_expert), the expert-major start of
   each expert's rows, each expert's first row block, and, overwriting the count matrix in place, the base row
   of every (tile, expert): expert_start[e] + pairs of e in earlier tiles. So pair (t, j) with expert e of tile
@@ -402,7 +403,7 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        FOLD_GROUPS: tl.constexpr, ROUTER_GEMM: tl.constexpr, RGEMM_TMA: tl.constexpr,
                        RBM: tl.constexpr, RBN: tl.constexpr, BKG: tl.constexpr, JOINT_GU: tl.constexpr,
                        GATHER_UP: tl.constexpr = False,
-                       EARLY_CLAIM: tl.constexpr = False, TRACE: tl.constexpr = False):
+                       EARLY_CLAIM: tl.constexpr = False, TRACE: tl.constexpr = False, W_F32: tl.constexpr = False):
     err_host = err_host.to(tl.pointer_type(tl.int32))  # host-mapped (pinned) mirror
     err = ctrl + C_ERR
     n_iblk = tl.cdiv(I, BI)
@@ -463,11 +464,11 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                 if ROUTER_GEMM:
                     select_stored_tile(idx, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, E, rsf, eps, NORM, SCALED,
                                        SIGMOID, HAS_CB, N_GROUP, TOPK_GROUP, SD_ROUND, CD_ROUND, TOP_K, KP, BT,
-                                       BLOCK_E)
+                                       BLOCK_E, W_F32)
                 else:
                     route_tile(idx, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, H,
                                E, rsf, eps, HAS_RB, RET_LOGITS, NORM, SCALED, SIGMOID, HAS_CB, N_GROUP, TOPK_GROUP,
-                               SD_ROUND, CD_ROUND, TOP_K, KP, BT, BLOCK_E, BKR, ROUTER_PRECISION)
+                               SD_ROUND, CD_ROUND, TOP_K, KP, BT, BLOCK_E, BKR, ROUTER_PRECISION, W_F32)
             elif kind == 1:  # ---- SCAN
                 scan_counts(counts, meta, tpe, n_tiles, E, BM, BLOCK_E, SCAN_T)
             elif kind == 2:  # ---- SCATTER
@@ -774,12 +775,13 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
                 topk_group: int = 1, routed_scaling_factor: float = 1.0, router_dtype: Optional[torch.dtype] = None,
                 activation: str = "silu", return_router_logits: bool = False, *, programs: Optional[int] = None,
                 config: Optional[MoeConfig] = None, return_routing: bool = False, save_up: bool = False,
-                trace: Optional[torch.Tensor] = None):
+                trace: Optional[torch.Tensor] = None, weights_dtype: Optional[torch.dtype] = None):
     """kosmos::moe_layer's forward (ep_group_name None) in one launch -> (out [T, H], router_logits [T, E] or
     [0, E], tokens_per_expert [E] int32) (+ (saved_up,) with save_up) (+ (topk_ids [T, k] int32, topk_weights
-    [T, k] fp32 of the logits-dtype values) with return_routing). Raises ValueError for what the kernel does not
+    [T, k] fp32 of the weights_dtype values) with return_routing). Raises ValueError for what the kernel does not
     support (moe_ops.why_not_moe_layer says the same without raising). programs: grid size (default one per SM; 1
-    in the interpreter).
+    in the interpreter). weights_dtype: the routing weights' dtype, None (the logits') or float32 (Mixtral's router:
+    its softmax values are never rounded to the logits' dtype; the fold's products are then fp32).
 
     saved_up [T*k + E, 2I] in gate_up_proj's dtype: the up projection [gate | up] of every pair, rounded to that
     dtype (what the backward reads instead of recomputing it), in the reference's padded expert-major layout
@@ -794,9 +796,12 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
                            scoring, n_group, topk_group, router_dtype, activation)
     if reason is not None:
         raise ValueError(f"kosmos moe_forward: {reason}")
+    if weights_dtype not in (None, torch.float32, router_dtype or hidden.dtype):
+        raise ValueError(f"kosmos moe_forward: weights_dtype {weights_dtype} is neither float32 nor the logits' dtype "
+                         f"{router_dtype or hidden.dtype}")
     args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
             norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits, programs,
-            trace)
+            trace, weights_dtype)
     candidates = [config] if config is not None else forward_configs(hidden, gate_up_proj)
     for i, cfg in enumerate(candidates):
         try:
@@ -809,7 +814,7 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
 
 def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
                  norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits,
-                 programs, trace, cfg, return_routing, save_up):
+                 programs, trace, weights_dtype, cfg, return_routing, save_up):
     device = hidden.device
     T, H = hidden.shape
     E, two_i, _ = gate_up_proj.shape
@@ -851,14 +856,16 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
         gu_desc = TensorDescriptor(gate_up_proj.view(E * two_i, H), [E * two_i, H], [H, 1], [cfg.bi, cfg.bk])
     down_desc = TensorDescriptor(down_proj.view(E * H, I), [E * H, I], [I, 1], [cfg.bn, cfg.bk2])
     act_desc = TensorDescriptor(act, [pairs, I], [I, 1], [cfg.bm, cfg.bk2])
-    product = torch.promote_types(down_proj.dtype, rd)
+    wd = weights_dtype or rd
+    product = torch.promote_types(down_proj.dtype, wd)
     if product not in (torch.float32, down_proj.dtype):
-        raise ValueError(f"kosmos moe_forward: product dtype {product} of down_proj {down_proj.dtype} and logits {rd}")
+        raise ValueError(f"kosmos moe_forward: product dtype {product} of down_proj {down_proj.dtype} and weights {wd}")
     interp = runtime.interpreting()
     P = programs or (1 if interp or device.type != "cuda" else runtime.num_sms(device))
     P = max(1, min(P, n_tasks))
     consts = routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd, router_bias,
-                                score_correction_bias, top_k, E, gate_up_proj.dtype, down_proj.dtype, hidden.dtype)
+                                score_correction_bias, top_k, E, gate_up_proj.dtype, down_proj.dtype, hidden.dtype,
+                                weights_dtype)
     rw_arg, xr_desc, wr_desc = router_weight, x_desc, x_desc  # (unused descriptors without RGEMM_TMA)
     rgemm_tma = False
     if cfg.router_gemm and moe_ops.router_split(rd, hidden.dtype) and router_weight.numel() < 2**31:
@@ -881,6 +888,7 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
                    USE_ASM=not interp, FOLD_GROUPS=layout.groups, ROUTER_GEMM=bool(cfg.router_gemm),
                    RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, JOINT_GU=bool(cfg.joint_gate_up),
                    GATHER_UP=bool(cfg.gather_up), EARLY_CLAIM=bool(cfg.early_claim), TRACE=trace is not None,
+                   W_F32=wd != rd,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P,)
     runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,
@@ -903,10 +911,11 @@ def _precision(dtype: torch.dtype) -> str:
 def routing_constexprs(scoring: str, norm_topk_prob: bool, n_group: int, topk_group: int,
                        routed_scaling_factor: float, rd: torch.dtype, router_bias, score_correction_bias, top_k: int,
                        num_experts: int, gate_up_dtype: torch.dtype, down_dtype: torch.dtype,
-                       hidden_dtype: Optional[torch.dtype] = None) -> dict:
+                       hidden_dtype: Optional[torch.dtype] = None,
+                       weights_dtype: Optional[torch.dtype] = None) -> dict:
     """The constexprs every MoE kernel (forward / backward, with or without EP) derives from the router's
     arguments and the dtypes: scoring, selection, roundings (the reference's rules), tile widths of k and E, dot
-    precisions (moe_ops.router_precision)."""
+    precisions (moe_ops.router_precision). weights_dtype: the routing weights' (None: the logits' dtype rd)."""
     sigmoid = scoring == "sigmoid"
     score_dtype = torch.float32 if not sigmoid else rd
     choice_dtype = score_dtype if score_correction_bias is None else torch.promote_types(score_dtype,
@@ -916,6 +925,6 @@ def routing_constexprs(scoring: str, norm_topk_prob: bool, n_group: int, topk_gr
                 HAS_RB=router_bias is not None, NORM=bool(norm_topk_prob),
                 SCALED=sigmoid or routed_scaling_factor != 1.0,  # the reference's rule
                 TOP_K=top_k, KP=max(2, _next_pow2(top_k)), BLOCK_E=max(16, _next_pow2(num_experts)),
-                PD_F32=torch.promote_types(down_dtype, rd) == torch.float32,
+                PD_F32=torch.promote_types(down_dtype, weights_dtype or rd) == torch.float32,
                 ROUTER_PRECISION=moe_ops.router_precision(rd, hidden_dtype), UP_PRECISION=_precision(gate_up_dtype),
                 DOWN_PRECISION=_precision(down_dtype))

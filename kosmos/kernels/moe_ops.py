@@ -257,12 +257,15 @@ def _ep_reason(hidden, gate_up_proj, group_name, world, ep_mode, local_reason) -
     return _agree(group_name, hidden, local_reason())
 
 
-def _weights_reason(hidden, router_dtype, weights_dtype) -> Optional[str]:
-    """The fused kernels round the routing weights to the logits' dtype (every router's rule but Mixtral's)."""
-    if weights_dtype is None or weights_dtype == (router_dtype or hidden.dtype):
+def _weights_reason(hidden, router_dtype, weights_dtype, keeps_fp32: bool) -> Optional[str]:
+    """Routing weights in another dtype than the logits' (Mixtral's fp32 weights): the fused forward without EP keeps
+    fp32 weights (keeps_fp32); the other fused kernels round the weights to the logits' dtype."""
+    rd = router_dtype or hidden.dtype
+    if weights_dtype is None or weights_dtype == rd or (keeps_fp32 and weights_dtype == torch.float32):
         return None
-    return (f"routing weights kept in {weights_dtype} (Mixtral's router) with {router_dtype or hidden.dtype} "
-            "logits: the fused kernels round the weights to the logits' dtype")
+    which = ("the fused kernels keep fp32 or logits-dtype weights" if keeps_fp32 else
+             "this fused kernel rounds the weights to the logits' dtype (only the forward without EP keeps fp32)")
+    return f"routing weights kept in {weights_dtype} (Mixtral's router) with {rd} logits: {which}"
 
 
 def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
@@ -271,7 +274,8 @@ def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias,
                       ep_mode="all_to_all", save_up=True, weights_dtype=None) -> Optional[str]:
     if not enabled("forward"):
         return f"fused MoE forward switched off ({ENV}={os.environ.get(ENV)})"
-    reason = _weights_reason(hidden, router_dtype, weights_dtype)  # alike on every EP rank: a graph constant
+    # alike on every EP rank: graph constants
+    reason = _weights_reason(hidden, router_dtype, weights_dtype, keeps_fp32=ep_group_name is None)
     if reason is not None:
         return reason
     reason = _device_reason(hidden) or _default_forward_reason(hidden, router_dtype, ep_group_name)
@@ -305,7 +309,8 @@ def run_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gat
     out, logits, counts, *saved_up, ids, _ = moe_forward(
         hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
         norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, activation,
-        return_router_logits=True, save_up=save_up, return_routing=True)  # the logits: for the backward
+        return_router_logits=True, save_up=save_up, return_routing=True,  # the logits: for the backward
+        weights_dtype=weights_dtype)
     return out, logits, counts, saved_up[0] if save_up else no_saved_up(gate_up_proj), ids
 
 
@@ -333,7 +338,7 @@ def why_not_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weig
     if not enabled("backward"):
         return (f"fused MoE backward is opt-in ({ENV}=1): slower than this reference impl on an H200 "
                 "(benchmarks/RESULTS.md)")
-    reason = _weights_reason(hidden, router_dtype, weights_dtype)
+    reason = _weights_reason(hidden, router_dtype, weights_dtype, keeps_fp32=False)
     if reason is not None:
         return reason
     reason = _device_reason(hidden)

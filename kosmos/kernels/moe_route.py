@@ -158,7 +158,7 @@ def select_stored_tile(tile, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, E,
                        NORM: tl.constexpr, SCALED: tl.constexpr, SIGMOID: tl.constexpr, HAS_CB: tl.constexpr,
                        N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SD_ROUND: tl.constexpr,
                        CD_ROUND: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
-                       BLOCK_E: tl.constexpr):
+                       BLOCK_E: tl.constexpr, W_F32: tl.constexpr = False):
     """ROUTE task of token tile `tile` when RGEMM tasks computed the logits: select_tile on the stored logits."""
     RD: tl.constexpr = logits.dtype.element_ty
     rows = tile * BT + tl.arange(0, BT)
@@ -166,7 +166,7 @@ def select_stored_tile(tile, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, E,
     lg = tl.load(logits + rows.to(tl.int64)[:, None] * E + cols_e[None, :],
                  mask=(rows < T)[:, None] & (cols_e < E)[None, :], other=0.0, cache_modifier=".cg")
     select_tile(tile, lg, cb, ids_ptr, w_ptr, rank_ptr, counts, T, E, rsf, eps, NORM, SCALED, SIGMOID, HAS_CB, N_GROUP,
-                TOPK_GROUP, SD_ROUND, CD_ROUND, TOP_K, KP, BT, BLOCK_E, RD)
+                TOPK_GROUP, SD_ROUND, CD_ROUND, TOP_K, KP, BT, BLOCK_E, RD, W_F32)
 
 
 @triton.jit
@@ -175,7 +175,7 @@ def route_tile(tile, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, ra
                SIGMOID: tl.constexpr, HAS_CB: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                SD_ROUND: tl.constexpr, CD_ROUND: tl.constexpr,
                TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr,
-               BKR: tl.constexpr, ROUTER_PRECISION: tl.constexpr):
+               BKR: tl.constexpr, ROUTER_PRECISION: tl.constexpr, W_F32: tl.constexpr = False):
     """ROUTE task of token tile `tile`: router logits (stored with RET_LOGITS), then the selection (select_tile).
 
     (DeepSeek-V3's fp32 router runs in RGEMM tasks instead, router_gemm_tile_tma: 1.1 ms faster per call on the
@@ -186,17 +186,19 @@ def route_tile(tile, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, ra
     if RET_LOGITS:
         _store_logits(lg, tile * BT + tl.arange(0, BT), tl.arange(0, BLOCK_E), logits, T, E)
     select_tile(tile, lg, cb, ids_ptr, w_ptr, rank_ptr, counts, T, E, rsf, eps, NORM, SCALED, SIGMOID, HAS_CB, N_GROUP,
-                TOPK_GROUP, SD_ROUND, CD_ROUND, TOP_K, KP, BT, BLOCK_E, RD)
+                TOPK_GROUP, SD_ROUND, CD_ROUND, TOP_K, KP, BT, BLOCK_E, RD, W_F32)
 
 
 @triton.jit
 def select_tile(tile, lg, cb, ids_ptr, w_ptr, rank_ptr, counts, T, E, rsf, eps,
                 NORM: tl.constexpr, SCALED: tl.constexpr, SIGMOID: tl.constexpr, HAS_CB: tl.constexpr,
                 N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, SD_ROUND: tl.constexpr, CD_ROUND: tl.constexpr,
-                TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr, RD: tl.constexpr):
+                TOP_K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr, RD: tl.constexpr,
+                W_F32: tl.constexpr = False):
     """Scores, top-k, weights and per-expert ranks of token tile `tile` from its logits lg [BT, BLOCK_E] (values of
     RD). SD_ROUND: the scores' dtype is the logits dtype RD (sigmoid of non-fp32 logits), so every op on them rounds
-    to RD; CD_ROUND: the same for the selection values scores + score_correction_bias."""
+    to RD; CD_ROUND: the same for the selection values scores + score_correction_bias. The weights are rounded to RD
+    unless W_F32 (Mixtral's router keeps its fp32 softmax values as the weights)."""
     rows = tile * BT + tl.arange(0, BT)
     rmask = rows < T
     rows64 = rows.to(tl.int64)
@@ -273,7 +275,8 @@ def select_tile(tile, lg, cb, ids_ptr, w_ptr, rank_ptr, counts, T, E, rsf, eps,
         wts = _round(wts / denom[:, None], RD, SD_ROUND)
     if SCALED:
         wts = _round(wts * rsf, RD, SD_ROUND)
-    wts = wts.to(RD).to(tl.float32)
+    if not W_F32:
+        wts = wts.to(RD).to(tl.float32)
     offs = rows64[:, None] * TOP_K + colk[None, :]
     m2 = rmask[:, None] & kmask_j[None, :]
     tl.store(ids_ptr + offs, ids, mask=m2)

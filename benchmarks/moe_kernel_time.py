@@ -32,7 +32,7 @@ def main() -> None:
     p.add_argument("--save-up", action="store_true", help="the training forward: with the saved up rows")
     args = p.parse_args()
     (hidden, rw, rb, corr, gu, down, k), kw = layer_inputs(args.layer, args.T)
-    base = moe.forward_configs(hidden, gu)[0]
+    base = moe.forward_configs(hidden, gu, k)[0]
     variants = args.variants.split(";")
     fns = {}
     for v in variants:

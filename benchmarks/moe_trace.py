@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         (hidden, rw, rb, corr, gu, down, k), kw = layer_inputs(layer, args.T)
         T, H = hidden.shape
         E, two_i, _ = gu.shape
-        cfg = moe.forward_configs(hidden, gu)[0]
+        cfg = moe.forward_configs(hidden, gu, k)[0]
         cfg = moe.resolve_router_gemm(config_variant(cfg, variant), kw.get("router_dtype") or hidden.dtype,
                                       hidden.dtype)
         kinds_of = task_kinds(T, H, two_i // 2, E, k, cfg)

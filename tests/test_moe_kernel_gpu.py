@@ -527,3 +527,28 @@ def test_early_claim_bit_identical():
                 assert torch.equal(a, b), (gather, programs)
             torch.cuda.synchronize()
             assert int(moe.control(h.device).ctrl.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("group_blocks", [4, 16])
+def test_group_blocks_bit_identical(group_blocks):
+    """UP / DOWN tasks claimed G blocks at a time (MoeConfig.group_blocks): the same bits as block by block, with
+    saved up rows, on a Qwen3-like layer and a DeepSeek-V3-like one (fp32 router, RGEMM, two fold groups)."""
+    import dataclasses
+
+    from kosmos.kernels import moe
+
+    h, rw, gu, d = make(3000, 1024, 384, 64, torch.bfloat16, seed=8)
+    base = dataclasses.replace(moe.forward_configs(h, gu)[0], group_blocks=1)
+    kw = dict(return_router_logits=True, return_routing=True, save_up=True)
+    first = moe.moe_forward(h, rw, None, None, gu, d, 8, config=base, **kw)
+    again = moe.moe_forward(h, rw, None, None, gu, d, 8, config=dataclasses.replace(base, group_blocks=group_blocks),
+                            **kw)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    cfg = dataclasses.replace(base, fold_groups=2, router_gemm=1)
+    args = (h, rw.float(), None, torch.zeros(64, device="cuda"), gu, d, 8)
+    kw.update(scoring="sigmoid", n_group=8, topk_group=4, routed_scaling_factor=2.5, router_dtype=torch.float32)
+    first = moe.moe_forward(*args, config=cfg, **kw)
+    again = moe.moe_forward(*args, config=dataclasses.replace(cfg, group_blocks=group_blocks), **kw)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)

@@ -26,7 +26,7 @@ CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renor
          "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token", "trace_rows",
          "exception_midway_leaves_counters_zeroed", "fold_groups_same_bits", "task_kind_matches_layout",
          "router_gemm_deepseek_fp16", "router_gemm_fp32_bias_ragged_experts", "joint_gate_up_same_bits",
-         "gather_up_same_bits", "early_claim_same_bits"]
+         "gather_up_same_bits", "early_claim_same_bits", "group_blocks_same_bits"]
 
 
 # ----------------------------------------------------------------------------------------------- cases (subprocess)
@@ -333,6 +333,33 @@ def case_early_claim_same_bits(torch):
             ctl = moe.control(h.device)
             assert int(ctl.ctrl.abs().sum()) == 0, ctl.ctrl.tolist()
     return {}
+
+
+def case_group_blocks_same_bits(torch):
+    # UP / DOWN tasks G blocks at a time, chunk by chunk (group_blocks): the same bits as block by block, for 1 and 3
+    # programs; 9 experts, 150 tokens top-2 in 16-row blocks (max_blocks 27: 3 groups of 8 then one of 3 blocks),
+    # I = 48 (3 chunks), H = 96 (3 DOWN chunks in 2 fold groups: a short last group)
+    from kosmos.kernels import moe
+
+    h, rw, gu, d = _inputs(torch, 150, 96, 48, 9, torch.float16, 23)
+    args = (h, rw, None, None, gu, d, 2)
+    base = _interp_config(fold_groups=2)
+    with _NanWorkspaces(torch):
+        ref = moe.moe_forward(*args, config=base, return_routing=True, save_up=True)
+    lay = moe.TaskLayout.of(150, 96, 48, 9, 2, base)
+    for g in (2, 8, 64):
+        for p in (1, 3):
+            with _NanWorkspaces(torch):
+                run = moe.moe_forward(*args, config=_interp_config(fold_groups=2, group_blocks=g), programs=p,
+                                      return_routing=True, save_up=True)
+            assert all(_same_bits(torch, a, b) for a, b in zip(ref, run)), f"group_blocks={g} programs={p} differs"
+    try:
+        moe.moe_forward(*args, config=_interp_config(group_blocks=0))
+        raise AssertionError("group_blocks=0 ran")
+    except ValueError as e:
+        assert "group_blocks 0" in str(e), e
+    assert torch.isfinite(ref[0]).all()
+    return {"max_blocks": lay.max_blocks, "n_iblk": lay.n_iblk, "hb_per": lay.hb_per, "groups": lay.groups}
 
 
 def _interp_config(**fields):
@@ -747,3 +774,17 @@ def test_default_fold_groups_follow_hidden_size():
     assert groups(2048) == groups(4096) == {1}
     assert groups(7168) == {2}
     assert groups(1 << 20) == {moe.MAX_FOLD_GROUPS.value}
+
+
+def test_grouped_order_for_experts_beyond_the_l2():
+    """forward_configs' UP / DOWN task order (moe.group_blocks): block by block unless one expert's gate_up weight
+    exceeds twice the L2; then G = the expected row blocks per expert as a power of two, at most 16 (on the H200's
+    50 MB L2: Mixtral-8x7B's 235 MB experts grouped, Qwen3-235B's 25 MB and DeepSeek-V3's 59 MB not)."""
+    from kosmos.kernels import moe
+
+    l2 = 50 * 2**20
+    mixtral = dict(num_experts=8, expert_bytes=2 * 14336 * 4096 * 2, bm=128, l2_bytes=l2)
+    assert [moe.group_blocks(t * 2, **mixtral) for t in (4096, 8192, 16384, 200, 64)] == [8, 16, 16, 1, 1]
+    assert moe.group_blocks(16384 * 8, 128, 2 * 1536 * 4096 * 2, 128, l2) == 1  # Qwen3-235B
+    assert moe.group_blocks(16384 * 8, 256, 2 * 2048 * 7168 * 2, 128, l2) == 1  # DeepSeek-V3
+    assert moe.group_blocks(3 * 128 * 8, 8, 2 * 14336 * 4096 * 2, 128, l2) == 2  # 3 blocks per expert: G = 2

@@ -172,7 +172,8 @@ def _compile_moe_forward(cfg, consts: dict, router: str, router_weight: str = No
                              BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=True, USE_ASM=True,
                              FOLD_GROUPS=cfg.fold_groups, ROUTER_GEMM=cfg.router_gemm == 1, RGEMM_TMA=rgemm_tma,
                              RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, JOINT_GU=cfg.joint_gate_up,
-                             GATHER_UP=cfg.gather_up, EARLY_CLAIM=cfg.early_claim, TRACE=False, W_F32=w_f32),
+                             GATHER_UP=cfg.gather_up, EARLY_CLAIM=cfg.early_claim, TRACE=False, W_F32=w_f32,
+                             GROUP_BLOCKS=cfg.group_blocks),
                         dict(ctrl="i32", hidden=BF, rw=router_weight or router, rb=router, cb=router, logits=router,
                              ids_ptr="i32", w_ptr="fp32", rank_ptr="i32", counts="i32", meta="i32", tpe="i32",
                              x_sorted=BF, perm="i32", act=BF, saved_up=BF, y=BF, out=BF, trace="i64"),
@@ -204,7 +205,7 @@ def test_moe_forward(fold_groups, early_claim):
 
 def test_moe_forward_fp32_routing_weights():
     """The Qwen3 build with Mixtral's fp32 routing weights (W_F32: not rounded to bf16; the fold's products in fp32,
-    PD_F32): no wgmma serialization."""
+    PD_F32), with the UP / DOWN tasks block by block and 16 blocks at a time: no wgmma serialization."""
     import dataclasses
 
     from kosmos.kernels import moe
@@ -214,6 +215,8 @@ def test_moe_forward_fp32_routing_weights():
                                     torch.bfloat16, weights_dtype=torch.float32)
     assert consts["PD_F32"]
     _report(_compile_moe_forward(cfg, consts, BF, w_f32=True))
+    # Mixtral's dims take the grouped task order (forward_configs): the same build with group_blocks
+    _report(_compile_moe_forward(dataclasses.replace(cfg, group_blocks=16), consts, BF, w_f32=True))
 
 
 def test_moe_forward_deepseek_router():

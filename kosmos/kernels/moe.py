@@ -166,6 +166,18 @@ def _task_kind(t, scan_task, scatter0, up0, down0, n_down, n_tiles, G: tl.conste
 
 
 @triton.jit
+def _block_chunk(idx, n_blocks, n_chunks, G: tl.constexpr):
+    """UP / DOWN task idx of a phase over n_blocks row blocks x n_chunks weight chunks, G blocks at a time and chunk
+    by chunk inside (MoeConfig.group_blocks > 1) -> (block, chunk). (The G = 1 order, block by block, is written
+    inline in the kernel.)"""
+    first = idx // (G * n_chunks) * G
+    rows = tl.minimum(n_blocks - first, G)  # the last group may be short
+    local = idx - first * n_chunks
+    c = local // rows
+    return first + local - c * rows, c
+
+
+@triton.jit
 def _phase_counter(kind, grp):
     """The control word counting finished tasks of `kind` (ROUTE .. DOWN, RGEMM) and column group (DOWN); -1 for
     FOLD."""
@@ -403,7 +415,8 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        FOLD_GROUPS: tl.constexpr, ROUTER_GEMM: tl.constexpr, RGEMM_TMA: tl.constexpr,
                        RBM: tl.constexpr, RBN: tl.constexpr, BKG: tl.constexpr, JOINT_GU: tl.constexpr,
                        GATHER_UP: tl.constexpr = False,
-                       EARLY_CLAIM: tl.constexpr = False, TRACE: tl.constexpr = False, W_F32: tl.constexpr = False):
+                       EARLY_CLAIM: tl.constexpr = False, TRACE: tl.constexpr = False, W_F32: tl.constexpr = False,
+                       GROUP_BLOCKS: tl.constexpr = 1):
     err_host = err_host.to(tl.pointer_type(tl.int32))  # host-mapped (pinned) mirror
     err = ctrl + C_ERR
     n_iblk = tl.cdiv(I, BI)
@@ -475,12 +488,20 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                 _scatter_tile(idx, n_tiles, ids_ptr, rank_ptr, counts, meta, hidden, h_ld, x_sorted,
                               saved_up, perm, T, H, I, E, TOP_K, KP, BT, BH, SAVE_UP, GATHER_UP)
             elif kind == 3:  # ---- UP
-                b = idx // n_iblk
-                _up_tile(b, idx - b * n_iblk, meta, x_desc, gu_desc, act, saved_up, hidden, h_ld, perm,
+                if GROUP_BLOCKS == 1:
+                    b = idx // n_iblk
+                    ib = idx - b * n_iblk
+                else:
+                    b, ib = _block_chunk(idx, max_blocks, n_iblk, GROUP_BLOCKS)
+                _up_tile(b, ib, meta, x_desc, gu_desc, act, saved_up, hidden, h_ld, perm,
                          T * TOP_K, H, I, E, BM, BI, BK, BLOCK_E, UP_PRECISION, SAVE_UP, JOINT_GU, GATHER_UP)
             elif kind == 4:  # ---- DOWN
-                b = idx // hb_per
-                nb = grp * hb_per + idx - b * hb_per
+                if GROUP_BLOCKS == 1:
+                    b = idx // hb_per
+                    nb = grp * hb_per + idx - b * hb_per
+                else:
+                    b, nb = _block_chunk(idx, max_blocks, hb_per, GROUP_BLOCKS)
+                    nb += grp * hb_per
                 _down_tile(b, nb, meta, act_desc, down_desc, y, H, I, E, BM, BN, BK2, BLOCK_E, DOWN_PRECISION)
             else:  # ---- FOLD
                 _fold_tile(idx, grp * hb_per * BN, tl.minimum((grp + 1) * hb_per * BN, H), ids_ptr, rank_ptr, w_ptr,
@@ -536,7 +557,10 @@ class MoeConfig:
     claims its next task when it starts one, so the claim's atomic round trip (between tasks: 1.4% of the SM-time
     of the UP phase, 3.4% of the DOWN phase, twentieth session's trace) overlaps the task; a held claim never blocks
     (every task waits only on tasks of lower index and lower kind, and the program holding one runs it right after a
-    task of lower index); opt-in: within 0.4% of the default on an H200 (twenty-first session)."""
+    task of lower index); opt-in: within 0.4% of the default on an H200 (twenty-first session). group_blocks: the
+    order of the UP and DOWN tasks: block by block, every weight chunk of a block before the next block (1); or G
+    blocks at a time, chunk by chunk, so that G blocks read one chunk of an expert's weight while it is in L2
+    (forward_configs: for experts whose weights far exceed the L2, as Mixtral's: group_blocks())."""
     bt: int = 64
     bkr: int = 64
     bm: int = 128
@@ -556,6 +580,7 @@ class MoeConfig:
     joint_gate_up: bool = False
     gather_up: bool = False
     early_claim: bool = False
+    group_blocks: int = 1
 
 
 # fp32 (4-byte elements) halves the K blocks; the interpreter wants tiny tiles (every op is numpy)
@@ -595,11 +620,34 @@ WIDE_FORWARD = dict(bi=128, bn=256, joint_gate_up=True)
 FOLD_GROUP_COLUMNS = 3072
 
 
-def forward_configs(hidden: torch.Tensor, gate_up_proj: torch.Tensor) -> list:
-    """The configs moe_forward tries in order when none is given."""
+# The grouped UP / DOWN task order (MoeConfig.group_blocks) where one expert's gate_up weight exceeds
+# GROUPED_ORDER_L2S times the L2, G = the expected row blocks per expert, at most GROUP_BLOCKS_MAX. Measured on the
+# H200 (50 MB L2; benchmarks/moe_kernel_time.py --save-up, RESULTS.md twenty-fourth session): Mixtral-8x7B (235 MB
+# per expert) T = 16384: 23.5-23.9 ms block by block, 19.5-19.6 with G = 4, 19.0-19.3 with 8, 18.9-19.0 with 16;
+# T = 4096: 6.10-6.22, 5.04-5.05 with 8, 5.15-5.21 with 16. No gain at Qwen3-235B (25 MB) or DeepSeek-V3 (59 MB,
+# ~4.5 blocks per expert) dims with G = 4 or 8 (eighteenth session).
+GROUPED_ORDER_L2S = 2
+GROUP_BLOCKS_MAX = 16
+
+
+def group_blocks(num_pairs: int, num_experts: int, expert_bytes: int, bm: int, l2_bytes: int) -> int:
+    """MoeConfig.group_blocks for num_pairs (token, expert) pairs over num_experts experts of expert_bytes of
+    gate_up weight each, on a GPU of l2_bytes of L2 (1: block by block)."""
+    if expert_bytes <= GROUPED_ORDER_L2S * l2_bytes:
+        return 1
+    per_expert = num_pairs // (num_experts * bm)
+    return 1 << max(0, min(per_expert, GROUP_BLOCKS_MAX).bit_length() - 1)  # a power of two <= per_expert
+
+
+def forward_configs(hidden: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int = 1) -> list:
+    """The configs moe_forward tries in order when none is given (top_k: the router's)."""
     cfg = select_config(hidden, gate_up_proj)
     groups = min(hidden.shape[1] // FOLD_GROUP_COLUMNS, MAX_FOLD_GROUPS.value)
     cfg = dataclasses.replace(cfg, fold_groups=max(1, groups))
+    if gate_up_proj.device.type == "cuda" and not runtime.interpreting():
+        l2 = torch.cuda.get_device_properties(gate_up_proj.device).L2_cache_size
+        cfg = dataclasses.replace(cfg, group_blocks=group_blocks(hidden.shape[0] * top_k, gate_up_proj.shape[0],
+                                                                 gate_up_proj[0].nbytes, cfg.bm, l2))
     if runtime.interpreting() or gate_up_proj.dtype == torch.float32:
         return [cfg]
     return [dataclasses.replace(cfg, **WIDE_FORWARD), cfg]
@@ -648,6 +696,8 @@ class TaskLayout:
     def of(cls, T: int, H: int, I: int, E: int, top_k: int, cfg: MoeConfig) -> "TaskLayout":
         if not 1 <= cfg.fold_groups <= MAX_FOLD_GROUPS.value:
             raise ValueError(f"kosmos moe_forward: fold_groups {cfg.fold_groups} not in 1..{MAX_FOLD_GROUPS.value}")
+        if not 1 <= cfg.group_blocks <= 64:
+            raise ValueError(f"kosmos moe_forward: group_blocks {cfg.group_blocks} not in 1..64")
         n_hblk = triton.cdiv(H, cfg.bn)
         hb_per = triton.cdiv(n_hblk, min(cfg.fold_groups, n_hblk))
         n_rgemm = triton.cdiv(T, cfg.rbm) * triton.cdiv(E, cfg.rbn) if cfg.router_gemm == 1 else 0
@@ -802,7 +852,7 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
     args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
             norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits, programs,
             trace, weights_dtype)
-    candidates = [config] if config is not None else forward_configs(hidden, gate_up_proj)
+    candidates = [config] if config is not None else forward_configs(hidden, gate_up_proj, top_k)
     for i, cfg in enumerate(candidates):
         try:
             return _moe_forward(*args, cfg, return_routing, save_up)
@@ -888,7 +938,7 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
                    USE_ASM=not interp, FOLD_GROUPS=layout.groups, ROUTER_GEMM=bool(cfg.router_gemm),
                    RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, JOINT_GU=bool(cfg.joint_gate_up),
                    GATHER_UP=bool(cfg.gather_up), EARLY_CLAIM=bool(cfg.early_claim), TRACE=trace is not None,
-                   W_F32=wd != rd,
+                   W_F32=wd != rd, GROUP_BLOCKS=cfg.group_blocks,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P,)
     runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,

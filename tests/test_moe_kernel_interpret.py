@@ -711,6 +711,25 @@ def test_kernel_reasons():
     assert "256" in kernel_reason(h, big[0], None, None, big[1], big[2], 2, "softmax", 1, 1, None, "silu")
 
 
+def test_fp32_routing_weights_reasons():
+    """Mixtral's fp32 weights (weights_dtype): the fused forward without EP keeps them; the opt-in fused backward and
+    the EP kernels round weights to the logits' dtype, so those calls say so; another dtype is refused everywhere."""
+    from kosmos.kernels.moe_ops import _weights_reason
+
+    h = torch.randn(4, 32, dtype=torch.bfloat16)
+    assert _weights_reason(h, None, None, keeps_fp32=False) is None
+    assert _weights_reason(h, None, torch.bfloat16, keeps_fp32=False) is None
+    assert _weights_reason(h, None, torch.float32, keeps_fp32=True) is None
+    assert "only the forward without EP" in _weights_reason(h, None, torch.float32, keeps_fp32=False)
+    assert "keep fp32 or logits-dtype" in _weights_reason(h, None, torch.float16, keeps_fp32=True)
+    assert _weights_reason(h, torch.float32, torch.float32, keeps_fp32=False) is None  # fp32 logits: nothing kept
+    from kosmos.kernels.moe import moe_forward
+
+    rw, gu, d = torch.randn(4, 32).half(), torch.randn(4, 32, 32).half(), torch.randn(4, 32, 16).half()
+    with pytest.raises(ValueError, match="weights_dtype torch.bfloat16 is neither float32 nor"):
+        moe_forward(h.half(), rw, None, None, gu, d, 2, weights_dtype=torch.bfloat16)
+
+
 def test_op_on_cpu_takes_reference_with_reason(monkeypatch):
     import kosmos  # noqa: F401  (registers the ops and the fused impls)
     from kosmos import reporting

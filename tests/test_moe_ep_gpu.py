@@ -39,12 +39,13 @@ def shard(w: torch.Tensor, W: int) -> torch.Tensor:
 
 
 def run_and_check(W, h, rw, gu, d, top_k, *, router_bias=None, correction=None, scoring="softmax", n_group=1,
-                  topk_group=1, rsf=1.0, programs=None, straggler=None, max_flipped_rows=2):
+                  topk_group=1, rsf=1.0, programs=None, straggler=None, max_flipped_rows=2, weights_dtype=None):
     sw = world(W)
     poison(sw)
     out, lg, tpe, kid, kw = sw.moe_layer(h, rw, router_bias, correction, shard(gu, W), shard(d, W), top_k, scoring,
                                          True, n_group, topk_group, rsf, return_router_logits=True,
-                                         return_routing=True, programs=programs, straggler=straggler)
+                                         return_routing=True, programs=programs, straggler=straggler,
+                                         weights_dtype=weights_dtype)
     torch.cuda.synchronize()
     sw.workspace.check()
     E = rw.shape[0]
@@ -54,7 +55,7 @@ def run_and_check(W, h, rw, gu, d, top_k, *, router_bias=None, correction=None, 
         assert torch.allclose(lg[r].float(), logits.float(), rtol=2e-2, atol=2e-2)
         flipped = (kid[r].long().sort(1).values != ids.sort(1).values).any(1).sum().item()
         assert flipped <= max_flipped_rows, f"rank {r}: routing differs on {flipped} rows"
-        ref, counts = experts(h[r], kid[r].long(), kw[r].to(lg.dtype), gu, d)
+        ref, counts = experts(h[r], kid[r].long(), kw[r].to(weights_dtype or lg.dtype), gu, d)
         total += counts
         assert torch.isfinite(out[r]).all(), f"rank {r}: NaN/inf in the output (a row not moved?)"
         err = rel_err(out[r], ref)
@@ -69,6 +70,17 @@ def run_and_check(W, h, rw, gu, d, top_k, *, router_bias=None, correction=None, 
 def test_random_routing(W, dtype):
     h, rw, gu, d = make(W, 333, 256, 128, 32, dtype, seed=W)
     run_and_check(W, h, rw, gu, d, 4)
+
+
+@pytest.mark.parametrize("W", [2, 8])
+def test_mixtral_fp32_weights_on_bf16(W):
+    """Mixtral's router under EP: the fp32 softmax values stay the weights (weights_dtype), the fold's products fp32;
+    the output is the reference experts' with the kernel's fp32 weights, which are not bf16 values."""
+    h, rw, gu, d = make(W, 300, 256, 128, 8, torch.bfloat16, seed=20 + W)
+    run_and_check(W, h, rw, gu, d, 2, weights_dtype=torch.float32)
+    kw = world(W).moe_layer(h, rw, None, None, shard(gu, W), shard(d, W), 2, return_routing=True,
+                            weights_dtype=torch.float32)[-1]
+    assert kw.dtype == torch.float32 and not torch.equal(kw, kw.bfloat16().float())
 
 
 @pytest.mark.parametrize("W", [2, 4, 8])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import _interp
 import pytest
 
-CASES = ["softmax_top2_fp16", "deepseek_router_fp32", "all_on_one_expert_top1", "counters_zeroed_epochs_advance",
+CASES = ["softmax_top2_fp16", "softmax_top2_fp16_fp32_weights", "deepseek_router_fp32", "all_on_one_expert_top1", "counters_zeroed_epochs_advance",
          "missing_signal_raises", "backward_equals_non_ep_kernel_fp16", "backward_deepseek_fp32_glog",
          "backward_missing_signal_raises", "bad_arguments_raise", "growth_after_capture_keeps_old_tensors",
          "ops_layer_group_launch_matches_fake_impl"]
@@ -38,12 +38,12 @@ def _check(torch, sw, h, rw, gu, d, top_k, tol, **kw):
     scoring = kw.get("scoring", "softmax")
     logits, ids, w = route(h[0], rw, ref_kw.get("router_bias"), ref_kw.get("score_correction_bias"), top_k, scoring,
                            kw.get("norm_topk_prob", True), kw.get("n_group", 1), kw.get("topk_group", 1),
-                           kw.get("routed_scaling_factor", 1.0), None)
+                           kw.get("routed_scaling_factor", 1.0), None, weights_dtype=kw.get("weights_dtype"))
     ref, counts = experts(h[0], ids, w, gu[0], d[0])
     runs = [sw.moe_layer(h, rw, ref_kw.get("router_bias"), ref_kw.get("score_correction_bias"), gu, d, top_k,
                          scoring, kw.get("norm_topk_prob", True), kw.get("n_group", 1), kw.get("topk_group", 1),
                          kw.get("routed_scaling_factor", 1.0), return_router_logits=True, return_routing=True,
-                         programs=p) for p in (1, 3)]
+                         programs=p, weights_dtype=kw.get("weights_dtype")) for p in (1, 3)]
     for a, b in zip(*runs):
         assert torch.equal(a, b), "grid sizes not bit-identical"
     out, lg, tpe, kid, kw_ = runs[0]
@@ -52,12 +52,21 @@ def _check(torch, sw, h, rw, gu, d, top_k, tol, **kw):
     assert torch.equal(tpe[0], counts), (tpe, counts)
     err = float((out[0].double() - ref.double()).norm() / ref.double().norm())
     assert err <= tol, err
+    if kw.get("weights_dtype") == torch.float32:  # Mixtral's: the weights as the reference's, to a few fp32 ulps
+        assert torch.equal(kid[0].long(), ids), "routing order differs"
+        assert torch.allclose(kw_[0], w, rtol=1e-6, atol=0), (kw_[0] - w).abs().max()
+        assert not torch.equal(kw_[0], kw_[0].half().float()), "weights rounded to fp16"
     return {"err": err, "counts": tpe[0].tolist()}
 
 
 def case_softmax_top2_fp16(torch, SimWorld):
     h, rw, gu, d = _inputs(torch, 37, 32, 32, 8, torch.float16, 0)
     return _check(torch, SimWorld(1, device="cpu"), h, rw, gu, d, 2, 3e-3)
+
+
+def case_softmax_top2_fp16_fp32_weights(torch, SimWorld):
+    h, rw, gu, d = _inputs(torch, 29, 32, 32, 8, torch.float16, 5)
+    return _check(torch, SimWorld(1, device="cpu"), h, rw, gu, d, 2, 3e-3, weights_dtype=torch.float32)
 
 
 def case_deepseek_router_fp32(torch, SimWorld):

@@ -712,15 +712,15 @@ def test_kernel_reasons():
 
 
 def test_fp32_routing_weights_reasons():
-    """Mixtral's fp32 weights (weights_dtype): the fused forward without EP keeps them; the opt-in fused backward and
-    the EP kernels round weights to the logits' dtype, so those calls say so; another dtype is refused everywhere."""
+    """Mixtral's fp32 weights (weights_dtype): the fused forward kernels keep them; the opt-in fused backward kernels
+    round weights to the logits' dtype, so those calls say so; another dtype is refused everywhere."""
     from kosmos.kernels.moe_ops import _weights_reason
 
     h = torch.randn(4, 32, dtype=torch.bfloat16)
     assert _weights_reason(h, None, None, keeps_fp32=False) is None
     assert _weights_reason(h, None, torch.bfloat16, keeps_fp32=False) is None
     assert _weights_reason(h, None, torch.float32, keeps_fp32=True) is None
-    assert "only the forward without EP" in _weights_reason(h, None, torch.float32, keeps_fp32=False)
+    assert "the fused forward keeps fp32" in _weights_reason(h, None, torch.float32, keeps_fp32=False)
     assert "keep fp32 or logits-dtype" in _weights_reason(h, None, torch.float16, keeps_fp32=True)
     assert _weights_reason(h, torch.float32, torch.float32, keeps_fp32=False) is None  # fp32 logits: nothing kept
     from kosmos.kernels.moe import moe_forward

@@ -197,7 +197,7 @@ def moe_ep_forward_kernel(ws_table, err_host, rank_base, world, lctl, lctl_rs, n
                           BKR: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr,
                           BN: tl.constexpr, BK2: tl.constexpr, BH: tl.constexpr, SCAN_T: tl.constexpr,
                           PD_F32: tl.constexpr, ROUTER_PRECISION: tl.constexpr, UP_PRECISION: tl.constexpr,
-                          DOWN_PRECISION: tl.constexpr, USE_ASM: tl.constexpr):
+                          DOWN_PRECISION: tl.constexpr, USE_ASM: tl.constexpr, W_F32: tl.constexpr = False):
     WD: tl.constexpr = gu.dtype.element_ty
     DD: tl.constexpr = down.dtype.element_ty
     err_host = err_host.to(tl.pointer_type(tl.int32))
@@ -254,7 +254,7 @@ def moe_ep_forward_kernel(ws_table, err_host, rank_base, world, lctl, lctl_rs, n
         if t < scan_task:  # ---- ROUTE
             route_tile(t, hidden, h_ld, rw, rw_ld, rb, cb, logits, ids_ptr, w_ptr, rank_ptr, counts, T, H, E, rsf,
                        eps, HAS_RB, RET_LOGITS, NORM, SCALED, SIGMOID, HAS_CB, N_GROUP, TOPK_GROUP, SD_ROUND,
-                       CD_ROUND, TOP_K, KP, BT, BLOCK_E, BKR, ROUTER_PRECISION)
+                       CD_ROUND, TOP_K, KP, BT, BLOCK_E, BKR, ROUTER_PRECISION, W_F32)
             if skip == 0:
                 _signal(lc + L_ROUTED, USE_ASM)
         elif t == scan_task:  # ---- SCAN, then publish the counts (peers' buffers free: they finished the last call)
@@ -412,13 +412,15 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
                    norm_topk_prob: bool = True, n_group: int = 1, topk_group: int = 1,
                    routed_scaling_factor: float = 1.0, router_dtype: Optional[torch.dtype] = None,
                    activation: str = "silu", return_router_logits: bool = False, *, programs: Optional[int] = None,
-                   config: Optional[MoeConfig] = None, straggler=None, drop_signal=None, return_routing: bool = False):
+                   config: Optional[MoeConfig] = None, straggler=None, drop_signal=None, return_routing: bool = False,
+                   weights_dtype: Optional[torch.dtype] = None):
     """EP forward of the ranks of `ws` driven here (n_local of them; their tensors stacked on a leading dim):
     hidden [n_local, T, H], router_weight [E, H] (and the biases) shared, gate_up_proj [n_local, E_loc, 2I, H],
     down_proj [n_local, E_loc, H, I]. Returns (out [n_local, T, H], router_logits [n_local, T or 0, E],
     tokens_per_expert [n_local, E] int32, global) (+ (topk_ids, topk_weights) [n_local, T, k] with return_routing).
     straggler=(rank, ns) delays that rank inside the kernel; drop_signal=(rank, task) makes that task release
-    nothing (consumers then time out). Raises ValueError for what the kernel does not take."""
+    nothing (consumers then time out). weights_dtype: the routing weights' dtype, None (the logits') or float32
+    (Mixtral's router, as moe.moe_forward). Raises ValueError for what the kernel does not take."""
     from kosmos.kernels.moe_ops import kernel_reason
 
     world, n_local = ws.world, ws.n_local
@@ -433,13 +435,16 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
                            top_k, scoring, n_group, topk_group, router_dtype, activation)
     if reason is not None:
         raise ValueError(f"kosmos moe_ep_forward: {reason}")
+    rd = router_dtype or hidden.dtype
+    if weights_dtype not in (None, torch.float32, rd):
+        raise ValueError(f"kosmos moe_ep_forward: weights_dtype {weights_dtype} is neither float32 nor the logits' "
+                         f"dtype {rd}")
     ws.check()
     device = hidden.device
     _, T, H = hidden.shape
     E_loc, two_i = gate_up_proj.shape[1], gate_up_proj.shape[2]
     I = two_i // 2
     E = E_loc * world
-    rd = router_dtype or hidden.dtype
     cfg = config or select_config(hidden[0], gate_up_proj[0], num_experts=E)
     n_tiles = triton.cdiv(T, cfg.bt)
     pairs = T * top_k
@@ -484,9 +489,10 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
             runtime.FLAGS_OFF_WORDS, data_off, data_off + lay.recv, data_off + lay.combine)
     meta_kw = dict(**routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd,
                                         router_bias, score_correction_bias, top_k, E, gate_up_proj.dtype,
-                                        down_proj.dtype, hidden.dtype),
+                                        down_proj.dtype, hidden.dtype, weights_dtype),
                    RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
                    BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, USE_ASM=not interp,
+                   W_F32=(weights_dtype or rd) != rd,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P, n_local)
     runtime.check_grid_fits(moe_ep_forward_kernel, ("moe_ep_fwd", hidden.dtype, gate_up_proj.dtype, rd,

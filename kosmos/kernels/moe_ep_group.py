@@ -40,17 +40,18 @@ def moe_ep_forward_group(hidden: torch.Tensor, router_weight: torch.Tensor, rout
                          router_dtype: Optional[torch.dtype] = None, activation: str = "silu",
                          return_router_logits: bool = False, group_name: Optional[str] = None, *, ws=None,
                          rank: Optional[int] = None, programs: Optional[int] = None, config=None, straggler=None,
-                         drop_signal=None, return_routing: bool = False):
+                         drop_signal=None, return_routing: bool = False, weights_dtype: Optional[torch.dtype] = None):
     """kosmos::moe_layer's EP forward of this rank: hidden [T, H] (its tokens), gate_up_proj [E_loc, 2I, H] and
     down_proj [E_loc, H, I] (its experts) -> (out [T, H], router_logits [T or 0, E], tokens_per_expert [E] int32,
-    global) (+ (topk_ids, topk_weights) [T, k] with return_routing)."""
+    global) (+ (topk_ids, topk_weights) [T, k] with return_routing). weights_dtype: as moe_ep.moe_ep_forward."""
     from kosmos.kernels.moe_ep import moe_ep_forward
 
     ws, rank = _workspace(group_name, hidden.device, ws, rank)
     res = moe_ep_forward(ws, rank, hidden[None], router_weight, router_bias, score_correction_bias, gate_up_proj[None],
                          down_proj[None], top_k, scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor,
                          router_dtype, activation, return_router_logits, programs=programs, config=config,
-                         straggler=straggler, drop_signal=drop_signal, return_routing=return_routing)
+                         straggler=straggler, drop_signal=drop_signal, return_routing=return_routing,
+                         weights_dtype=weights_dtype)
     return tuple(t[0] for t in res)
 
 

@@ -258,13 +258,13 @@ def _ep_reason(hidden, gate_up_proj, group_name, world, ep_mode, local_reason) -
 
 
 def _weights_reason(hidden, router_dtype, weights_dtype, keeps_fp32: bool) -> Optional[str]:
-    """Routing weights in another dtype than the logits' (Mixtral's fp32 weights): the fused forward without EP keeps
-    fp32 weights (keeps_fp32); the other fused kernels round the weights to the logits' dtype."""
+    """Routing weights in another dtype than the logits' (Mixtral's fp32 weights): the fused forward kernels keep
+    fp32 weights (keeps_fp32); the fused backward kernels round the weights to the logits' dtype."""
     rd = router_dtype or hidden.dtype
     if weights_dtype is None or weights_dtype == rd or (keeps_fp32 and weights_dtype == torch.float32):
         return None
     which = ("the fused kernels keep fp32 or logits-dtype weights" if keeps_fp32 else
-             "this fused kernel rounds the weights to the logits' dtype (only the forward without EP keeps fp32)")
+             "the fused backward rounds the weights to the logits' dtype (the fused forward keeps fp32)")
     return f"routing weights kept in {weights_dtype} (Mixtral's router) with {rd} logits: {which}"
 
 
@@ -274,8 +274,8 @@ def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias,
                       ep_mode="all_to_all", save_up=True, weights_dtype=None) -> Optional[str]:
     if not enabled("forward"):
         return f"fused MoE forward switched off ({ENV}={os.environ.get(ENV)})"
-    # alike on every EP rank: graph constants
-    reason = _weights_reason(hidden, router_dtype, weights_dtype, keeps_fp32=ep_group_name is None)
+    # weights_dtype is a graph constant: the same reason on every EP rank
+    reason = _weights_reason(hidden, router_dtype, weights_dtype, keeps_fp32=True)
     if reason is not None:
         return reason
     reason = _device_reason(hidden) or _default_forward_reason(hidden, router_dtype, ep_group_name)
@@ -301,7 +301,7 @@ def run_moe_layer(hidden, router_weight, router_bias, score_correction_bias, gat
         out, logits, counts = moe_ep_forward_group(hidden, router_weight, router_bias, score_correction_bias,
                                                    gate_up_proj, down_proj, top_k, scoring, norm_topk_prob, n_group,
                                                    topk_group, routed_scaling_factor, router_dtype, activation,
-                                                   return_router_logits, ep_group_name)
+                                                   return_router_logits, ep_group_name, weights_dtype=weights_dtype)
         return (out, logits, counts, no_saved_up(gate_up_proj),
                 counts.new_empty(0, top_k, dtype=torch.int32))
     from kosmos.kernels.moe import moe_forward

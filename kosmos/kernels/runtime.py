@@ -417,7 +417,7 @@ class SimWorld:
     def moe_layer(self, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                   scoring="softmax", norm_topk_prob=True, n_group=1, topk_group=1, routed_scaling_factor=1.0,
                   router_dtype=None, return_router_logits=False, *, programs=None, straggler=None, drop_signal=None,
-                  return_routing=False, config=None):
+                  return_routing=False, config=None, weights_dtype=None):
         """Expert-parallel MoE forward of W ranks (kosmos::moe_layer's semantics with an EP group of W).
         hidden [W, T, H] (rank r's own tokens), router_weight [E, H] and the biases shared, gate_up_proj
         [W, E/W, 2I, H] and down_proj [W, E/W, H, I] (rank r owns experts [r*E/W, (r+1)*E/W)). Returns
@@ -429,7 +429,7 @@ class SimWorld:
                               gate_up_proj, down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group,
                               routed_scaling_factor, router_dtype, "silu", return_router_logits, programs=programs,
                               straggler=straggler, drop_signal=drop_signal, return_routing=return_routing,
-                              config=config)
+                              config=config, weights_dtype=weights_dtype)
 
     def moe_layer_backward(self, grad_out, grad_router_logits, hidden, router_weight, router_bias,
                            score_correction_bias, gate_up_proj, down_proj, top_k, scoring="softmax",

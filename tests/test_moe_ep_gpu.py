@@ -83,6 +83,28 @@ def test_mixtral_fp32_weights_on_bf16(W):
     assert kw.dtype == torch.float32 and not torch.equal(kw, kw.bfloat16().float())
 
 
+@pytest.mark.parametrize("W", [2, 4])
+def test_group_blocks_bit_identical(W):
+    """UP / DOWN tasks G blocks at a time (MoeConfig.group_blocks, on by default for experts far beyond the L2): the
+    same bits as block by block, on every rank, the workspaces poisoned before each run."""
+    import dataclasses
+
+    from kosmos.kernels import moe
+
+    h, rw, gu, d = make(W, 700, 256, 128, 16, torch.bfloat16, seed=30 + W)
+    sw = world(W)
+    base = dataclasses.replace(moe.select_config(h[0], gu, num_experts=16), group_blocks=1)
+    runs = []
+    for g in (1, 4, 8):
+        poison(sw)
+        runs.append(sw.moe_layer(h, rw, None, None, shard(gu, W), shard(d, W), 4, return_routing=True,
+                                 config=dataclasses.replace(base, group_blocks=g)))
+    assert torch.isfinite(runs[0][0]).all()
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("W", [2, 4, 8])
 def test_deepseek_router(W):
     h, rw, gu, d = make(W, 200, 256, 128, 32, torch.bfloat16, seed=10 + W)

@@ -19,7 +19,7 @@ import pytest
 CASES = ["softmax_top2_fp16", "softmax_top2_fp16_fp32_weights", "deepseek_router_fp32", "all_on_one_expert_top1", "counters_zeroed_epochs_advance",
          "missing_signal_raises", "backward_equals_non_ep_kernel_fp16", "backward_deepseek_fp32_glog",
          "backward_missing_signal_raises", "bad_arguments_raise", "growth_after_capture_keeps_old_tensors",
-         "ops_layer_group_launch_matches_fake_impl"]
+         "ops_layer_group_launch_matches_fake_impl", "group_blocks_same_bits"]
 
 
 def _inputs(torch, T, H, I, E, dtype, seed):
@@ -203,7 +203,9 @@ def case_bad_arguments_raise(torch, SimWorld):
            "router_gemm the EP kernel does not run": lambda: sw.moe_layer(
                h, rw, None, None, gu, d, 2, config=dataclasses.replace(moe.CONFIGS["interpret"], router_gemm=1)),
            "joint_gate_up the EP kernel does not run": lambda: sw.moe_layer(
-               h, rw, None, None, gu, d, 2, config=dataclasses.replace(moe.CONFIGS["interpret"], joint_gate_up=True))}
+               h, rw, None, None, gu, d, 2, config=dataclasses.replace(moe.CONFIGS["interpret"], joint_gate_up=True)),
+           "group_blocks 0": lambda: sw.moe_layer(
+               h, rw, None, None, gu, d, 2, config=dataclasses.replace(moe.CONFIGS["interpret"], group_blocks=0))}
     for name, call in bad.items():
         try:
             call()
@@ -212,6 +214,30 @@ def case_bad_arguments_raise(torch, SimWorld):
             continue
         raise AssertionError(f"{name}: no ValueError")
     return {"checked": len(bad)}
+
+
+def case_group_blocks_same_bits(torch, SimWorld):
+    """UP / DOWN tasks G blocks at a time, chunk by chunk (group_blocks): the same bits as block by block, on 1 and 3
+    programs; 70 tokens top-2 over 4 experts in 16-row blocks (~3 blocks per expert), I = 48 and H = 64 over 3 and 2
+    chunks. The workspace's data is NaN before each run, so a combine row the run does not write shows."""
+    import dataclasses
+
+    from kosmos.kernels import moe
+
+    sw = SimWorld(1, device="cpu")
+    h, rw, gu, d = _inputs(torch, 70, 64, 48, 4, torch.float16, 9)
+    base = moe.CONFIGS["interpret"]
+    ref = sw.moe_layer(h, rw, None, None, gu, d, 2, return_routing=True, programs=1, config=base)
+    off = sw.workspace.layout.data_off
+    for g in (2, 8):
+        for p in (1, 3):
+            for buf in sw.workspace.buffers:  # NaN rows: a row this run does not write shows (not the last run's)
+                buf[off:].fill_(0xFF)
+            run = sw.moe_layer(h, rw, None, None, gu, d, 2, return_routing=True, programs=p,
+                               config=dataclasses.replace(base, group_blocks=g))
+            assert all(torch.equal(a, b) for a, b in zip(ref, run)), f"group_blocks={g} programs={p} differs"
+    assert torch.isfinite(ref[0]).all()
+    return {"counts": ref[2][0].tolist()}
 
 
 def case_growth_after_capture_keeps_old_tensors(torch, SimWorld):

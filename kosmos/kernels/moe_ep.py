@@ -37,6 +37,8 @@ rows onto this rank) only sizes counters; a program that claims an index past th
   cast to down_proj's dtype, pushed into the SOURCE's combine rows [T*k, H] at its sorted rows. The source's DOWN
   counter here (acq_rel, sys) tells the last of its tiles, which raises combine[r] = epoch in the source.
 - FOLD(tile): waits combine[o] of every owner o; out[t] = the non-EP fold over the combine rows (j order).
+UP and DOWN tasks go block by block, or G blocks at a time chunk by chunk where an expert's weights far exceed the L2
+(MoeConfig.group_blocks, the non-EP kernel's rule: moe.group_blocks).
 
 Determinism: positions come from scans of counts, never from atomics; every output element is computed by one task
 with a fixed reduction order. Reruns are bit-identical whatever the grid and timing.
@@ -68,8 +70,8 @@ import triton.language as tl
 from kosmos.kernels import runtime
 from kosmos.kernels.ag_gemm import ws_ptr
 from kosmos.kernels.gemm import gemm_tile
-from kosmos.kernels.moe import (MoeConfig, _block_rows, _fold_tile, _signal, _up_rows, max_blocks,
-                                routing_constexprs, select_config)
+from kosmos.kernels.moe import (MoeConfig, _block_chunk, _block_rows, _fold_tile, _signal, _up_rows, group_blocks,
+                                max_blocks, routing_constexprs, select_config)
 from kosmos.kernels.moe_route import pair_rows, pick, route_tile, scan_counts
 from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, claim, count_out, delay_ns, publish_finished,
                                     record_status, signal_flag, wait_flag, wait_peers_finished)
@@ -197,7 +199,8 @@ def moe_ep_forward_kernel(ws_table, err_host, rank_base, world, lctl, lctl_rs, n
                           BKR: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr,
                           BN: tl.constexpr, BK2: tl.constexpr, BH: tl.constexpr, SCAN_T: tl.constexpr,
                           PD_F32: tl.constexpr, ROUTER_PRECISION: tl.constexpr, UP_PRECISION: tl.constexpr,
-                          DOWN_PRECISION: tl.constexpr, USE_ASM: tl.constexpr, W_F32: tl.constexpr = False):
+                          DOWN_PRECISION: tl.constexpr, USE_ASM: tl.constexpr, W_F32: tl.constexpr = False,
+                          GROUP_BLOCKS: tl.constexpr = 1):
     WD: tl.constexpr = gu.dtype.element_ty
     DD: tl.constexpr = down.dtype.element_ty
     err_host = err_host.to(tl.pointer_type(tl.int32))
@@ -299,20 +302,27 @@ def moe_ep_forward_kernel(ws_table, err_host, rank_base, world, lctl, lctl_rs, n
                 fold0 = down0 + nblocks * n_hblk
                 if t < down0:  # ---- UP
                     u = t - up0
-                    b = u // n_iblk
+                    if GROUP_BLOCKS == 1:
+                        b = u // n_iblk
+                        ib = u - b * n_iblk
+                    else:
+                        b, ib = _block_chunk(u, nblocks, n_iblk, GROUP_BLOCKS)
                     valid, g, row0, row_end = _block_rows(b, seg, E, BM, BLOCK_E)
                     j, src = _segment(g, rank, world)
                     status = wait_flag(f_rows + src, epoch, err, timeout_ns, "sys", USE_ASM)
                     if status == 0:
                         # no saved up rows under EP (act stands in for the unused saved_up)
-                        _up_rows(row0, row_end, j, u - b * n_iblk, x_desc, gu_desc, act, act, H, I, BM, BI, BK,
+                        _up_rows(row0, row_end, j, ib, x_desc, gu_desc, act, act, H, I, BM, BI, BK,
                                  UP_PRECISION, False)
                         if skip == 0:
                             _signal(lc + L_UP + b, USE_ASM)
                 elif t < fold0:  # ---- DOWN, pushed to the source
                     d = t - down0
-                    b = d // n_hblk
-                    nb = d - b * n_hblk
+                    if GROUP_BLOCKS == 1:
+                        b = d // n_hblk
+                        nb = d - b * n_hblk
+                    else:
+                        b, nb = _block_chunk(d, nblocks, n_hblk, GROUP_BLOCKS)
                     status = wait_flag(lc + L_UP + b, n_iblk, err, timeout_ns, "gpu", USE_ASM)
                     if status == 0:
                         valid, g, row0, row_end = _block_rows(b, seg, E, BM, BLOCK_E)
@@ -448,6 +458,12 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
     cfg = config or select_config(hidden[0], gate_up_proj[0], num_experts=E)
     n_tiles = triton.cdiv(T, cfg.bt)
     pairs = T * top_k
+    if config is None and device.type == "cuda" and not runtime.interpreting():  # as moe.forward_configs
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+        cfg = dataclasses.replace(cfg, group_blocks=group_blocks(world * pairs, E, gate_up_proj[0, 0].nbytes, cfg.bm,
+                                                                 l2))
+    if not 1 <= cfg.group_blocks <= 64:
+        raise ValueError(f"kosmos moe_ep_forward: group_blocks {cfg.group_blocks} not in 1..64")
     src_rows = pairs
     mbo = max_blocks(world * src_rows, E, cfg.bm)
     lay = ep_layout(world, E, T, top_k, H, gate_up_proj.element_size(), down_proj.element_size())
@@ -492,7 +508,7 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
                                         down_proj.dtype, hidden.dtype, weights_dtype),
                    RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
                    BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, USE_ASM=not interp,
-                   W_F32=(weights_dtype or rd) != rd,
+                   W_F32=(weights_dtype or rd) != rd, GROUP_BLOCKS=cfg.group_blocks,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P, n_local)
     runtime.check_grid_fits(moe_ep_forward_kernel, ("moe_ep_fwd", hidden.dtype, gate_up_proj.dtype, rd,

@@ -337,7 +337,7 @@ def case_early_claim_same_bits(torch):
 
 def case_group_blocks_same_bits(torch):
     # UP / DOWN tasks G blocks at a time, chunk by chunk (group_blocks): the same bits as block by block, for 1 and 3
-    # programs; 9 experts, 150 tokens top-2 in 16-row blocks (max_blocks 27: 3 groups of 8 then one of 3 blocks),
+    # programs (G = 8; G = 64 on 3); 9 experts, 150 tokens top-2 in 16-row blocks (max_blocks 27: 3 groups of 8 then one of 3 blocks),
     # I = 48 (3 chunks), H = 96 (3 DOWN chunks in 2 fold groups: a short last group)
     from kosmos.kernels import moe
 
@@ -347,12 +347,11 @@ def case_group_blocks_same_bits(torch):
     with _NanWorkspaces(torch):
         ref = moe.moe_forward(*args, config=base, return_routing=True, save_up=True)
     lay = moe.TaskLayout.of(150, 96, 48, 9, 2, base)
-    for g in (2, 8, 64):
-        for p in (1, 3):
-            with _NanWorkspaces(torch):
-                run = moe.moe_forward(*args, config=_interp_config(fold_groups=2, group_blocks=g), programs=p,
-                                      return_routing=True, save_up=True)
-            assert all(_same_bits(torch, a, b) for a, b in zip(ref, run)), f"group_blocks={g} programs={p} differs"
+    for g, p in ((8, 1), (8, 3), (64, 3)):  # 64: one short group of all 27 blocks
+        with _NanWorkspaces(torch):
+            run = moe.moe_forward(*args, config=_interp_config(fold_groups=2, group_blocks=g), programs=p,
+                                  return_routing=True, save_up=True)
+        assert all(_same_bits(torch, a, b) for a, b in zip(ref, run)), f"group_blocks={g} programs={p} differs"
     try:
         moe.moe_forward(*args, config=_interp_config(group_blocks=0))
         raise AssertionError("group_blocks=0 ran")

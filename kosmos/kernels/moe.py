@@ -582,6 +582,10 @@ class MoeConfig:
     early_claim: bool = False
     group_blocks: int = 1
 
+    def __post_init__(self):
+        if not 1 <= self.group_blocks <= 64:
+            raise ValueError(f"kosmos MoeConfig: group_blocks {self.group_blocks} not in 1..64")
+
 
 # fp32 (4-byte elements) halves the K blocks; the interpreter wants tiny tiles (every op is numpy)
 CONFIGS = {
@@ -639,15 +643,31 @@ def group_blocks(num_pairs: int, num_experts: int, expert_bytes: int, bm: int, l
     return 1 << max(0, min(per_expert, GROUP_BLOCKS_MAX).bit_length() - 1)  # a power of two <= per_expert
 
 
+def with_grouped_order(cfg: MoeConfig, num_pairs: int, num_experts: int, expert_bytes: int,
+                       device: torch.device) -> MoeConfig:
+    """cfg with group_blocks by group_blocks()'s rule on this GPU's L2 (unchanged off CUDA and in the
+    interpreter)."""
+    if device.type != "cuda" or runtime.interpreting():
+        return cfg
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return dataclasses.replace(cfg, group_blocks=group_blocks(num_pairs, num_experts, expert_bytes, cfg.bm, l2))
+
+
+def weights_f32(weights_dtype: Optional[torch.dtype], logits_dtype: torch.dtype, where: str) -> bool:
+    """The forward kernels' W_F32: fp32 routing weights on logits of another dtype (Mixtral's router). ValueError
+    for weights that are neither float32 nor of the logits' dtype."""
+    if weights_dtype not in (None, torch.float32, logits_dtype):
+        raise ValueError(f"kosmos {where}: weights_dtype {weights_dtype} is neither float32 nor the logits' dtype "
+                         f"{logits_dtype}")
+    return weights_dtype not in (None, logits_dtype)
+
+
 def forward_configs(hidden: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int = 1) -> list:
     """The configs moe_forward tries in order when none is given (top_k: the router's)."""
     cfg = select_config(hidden, gate_up_proj)
     groups = min(hidden.shape[1] // FOLD_GROUP_COLUMNS, MAX_FOLD_GROUPS.value)
-    cfg = dataclasses.replace(cfg, fold_groups=max(1, groups))
-    if gate_up_proj.device.type == "cuda" and not runtime.interpreting():
-        l2 = torch.cuda.get_device_properties(gate_up_proj.device).L2_cache_size
-        cfg = dataclasses.replace(cfg, group_blocks=group_blocks(hidden.shape[0] * top_k, gate_up_proj.shape[0],
-                                                                 gate_up_proj[0].nbytes, cfg.bm, l2))
+    cfg = with_grouped_order(dataclasses.replace(cfg, fold_groups=max(1, groups)), hidden.shape[0] * top_k,
+                             gate_up_proj.shape[0], gate_up_proj[0].nbytes, gate_up_proj.device)
     if runtime.interpreting() or gate_up_proj.dtype == torch.float32:
         return [cfg]
     return [dataclasses.replace(cfg, **WIDE_FORWARD), cfg]
@@ -696,8 +716,6 @@ class TaskLayout:
     def of(cls, T: int, H: int, I: int, E: int, top_k: int, cfg: MoeConfig) -> "TaskLayout":
         if not 1 <= cfg.fold_groups <= MAX_FOLD_GROUPS.value:
             raise ValueError(f"kosmos moe_forward: fold_groups {cfg.fold_groups} not in 1..{MAX_FOLD_GROUPS.value}")
-        if not 1 <= cfg.group_blocks <= 64:
-            raise ValueError(f"kosmos moe_forward: group_blocks {cfg.group_blocks} not in 1..64")
         n_hblk = triton.cdiv(H, cfg.bn)
         hb_per = triton.cdiv(n_hblk, min(cfg.fold_groups, n_hblk))
         n_rgemm = triton.cdiv(T, cfg.rbm) * triton.cdiv(E, cfg.rbn) if cfg.router_gemm == 1 else 0
@@ -846,9 +864,6 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
                            scoring, n_group, topk_group, router_dtype, activation)
     if reason is not None:
         raise ValueError(f"kosmos moe_forward: {reason}")
-    if weights_dtype not in (None, torch.float32, router_dtype or hidden.dtype):
-        raise ValueError(f"kosmos moe_forward: weights_dtype {weights_dtype} is neither float32 nor the logits' dtype "
-                         f"{router_dtype or hidden.dtype}")
     args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
             norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits, programs,
             trace, weights_dtype)
@@ -906,6 +921,7 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
         gu_desc = TensorDescriptor(gate_up_proj.view(E * two_i, H), [E * two_i, H], [H, 1], [cfg.bi, cfg.bk])
     down_desc = TensorDescriptor(down_proj.view(E * H, I), [E * H, I], [I, 1], [cfg.bn, cfg.bk2])
     act_desc = TensorDescriptor(act, [pairs, I], [I, 1], [cfg.bm, cfg.bk2])
+    w_f32 = weights_f32(weights_dtype, rd, "moe_forward")
     wd = weights_dtype or rd
     product = torch.promote_types(down_proj.dtype, wd)
     if product not in (torch.float32, down_proj.dtype):
@@ -938,7 +954,7 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
                    USE_ASM=not interp, FOLD_GROUPS=layout.groups, ROUTER_GEMM=bool(cfg.router_gemm),
                    RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, JOINT_GU=bool(cfg.joint_gate_up),
                    GATHER_UP=bool(cfg.gather_up), EARLY_CLAIM=bool(cfg.early_claim), TRACE=trace is not None,
-                   W_F32=wd != rd, GROUP_BLOCKS=cfg.group_blocks,
+                   W_F32=w_f32, GROUP_BLOCKS=cfg.group_blocks,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P,)
     runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,

@@ -70,8 +70,8 @@ import triton.language as tl
 from kosmos.kernels import runtime
 from kosmos.kernels.ag_gemm import ws_ptr
 from kosmos.kernels.gemm import gemm_tile
-from kosmos.kernels.moe import (MoeConfig, _block_chunk, _block_rows, _fold_tile, _signal, _up_rows, group_blocks,
-                                max_blocks, routing_constexprs, select_config)
+from kosmos.kernels.moe import (MoeConfig, _block_chunk, _block_rows, _fold_tile, _signal, _up_rows, max_blocks,
+                                routing_constexprs, select_config, weights_f32, with_grouped_order)
 from kosmos.kernels.moe_route import pair_rows, pick, route_tile, scan_counts
 from kosmos.kernels.signals import (CTRL_EPOCH, CTRL_ERR, claim, count_out, delay_ns, publish_finished,
                                     record_status, signal_flag, wait_flag, wait_peers_finished)
@@ -446,9 +446,7 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
     if reason is not None:
         raise ValueError(f"kosmos moe_ep_forward: {reason}")
     rd = router_dtype or hidden.dtype
-    if weights_dtype not in (None, torch.float32, rd):
-        raise ValueError(f"kosmos moe_ep_forward: weights_dtype {weights_dtype} is neither float32 nor the logits' "
-                         f"dtype {rd}")
+    w_f32 = weights_f32(weights_dtype, rd, "moe_ep_forward")
     ws.check()
     device = hidden.device
     _, T, H = hidden.shape
@@ -458,12 +456,8 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
     cfg = config or select_config(hidden[0], gate_up_proj[0], num_experts=E)
     n_tiles = triton.cdiv(T, cfg.bt)
     pairs = T * top_k
-    if config is None and device.type == "cuda" and not runtime.interpreting():  # as moe.forward_configs
-        l2 = torch.cuda.get_device_properties(device).L2_cache_size
-        cfg = dataclasses.replace(cfg, group_blocks=group_blocks(world * pairs, E, gate_up_proj[0, 0].nbytes, cfg.bm,
-                                                                 l2))
-    if not 1 <= cfg.group_blocks <= 64:
-        raise ValueError(f"kosmos moe_ep_forward: group_blocks {cfg.group_blocks} not in 1..64")
+    if config is None:  # the group's pairs over all E experts, as moe.forward_configs
+        cfg = with_grouped_order(cfg, world * pairs, E, gate_up_proj[0, 0].nbytes, device)
     src_rows = pairs
     mbo = max_blocks(world * src_rows, E, cfg.bm)
     lay = ep_layout(world, E, T, top_k, H, gate_up_proj.element_size(), down_proj.element_size())
@@ -508,7 +502,7 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
                                         down_proj.dtype, hidden.dtype, weights_dtype),
                    RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi, BK=cfg.bk,
                    BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, USE_ASM=not interp,
-                   W_F32=(weights_dtype or rd) != rd, GROUP_BLOCKS=cfg.group_blocks,
+                   W_F32=w_f32, GROUP_BLOCKS=cfg.group_blocks,
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (P, n_local)
     runtime.check_grid_fits(moe_ep_forward_kernel, ("moe_ep_fwd", hidden.dtype, gate_up_proj.dtype, rd,

@@ -218,6 +218,35 @@ def test_compiled_model_matches_eager_cuda(name, dtype):
     assert_close_grads(run.grads, run.eager_grads, tol)
 
 
+def _varying_lengths(device: str, dtype: torch.dtype, tol: float) -> None:
+    """Training steps at three sequence lengths through one torch.compile: Dynamo recompiles the second with a
+    symbolic token count (automatic dynamic shapes); the MoE blocks of that graph are rewritten too, and every step
+    matches eager."""
+    model = tiny_qwen3_moe(dtype).to(device)
+    torch._dynamo.reset()
+    kosmos.reset_report()
+    compiled = torch.compile(model, backend="kosmos", options={"tp_sp": False})
+    for seq in (8, 12, 20):
+        ids = token_ids(seq=seq).to(device)
+        eager_loss, eager_grads, _ = _loss_and_grads(model, ids)
+        loss, grads, _ = _loss_and_grads(compiled, ids)
+        assert rel_err(loss, eager_loss) <= tol, (seq, loss, eager_loss)
+        assert_close_grads(grads, eager_grads, tol)
+    rewrites = [r for r in kosmos.report().rewrites if r.kind == "moe_layer"]
+    layers = MODELS["qwen3_moe"][1]
+    assert len(rewrites) == 2 * layers, str(kosmos.report())  # the static graph's and the dynamic graph's
+    assert any(str(r.shapes.get("T", "")).startswith("2*s") for r in rewrites), str(kosmos.report())  # 2 * symbolic seq
+
+
+def test_varying_sequence_lengths_match_eager():
+    _varying_lengths("cpu", torch.float32, FP32_TOL)
+
+
+@pytest.mark.gpu
+def test_varying_sequence_lengths_match_eager_cuda():
+    _varying_lengths("cuda", torch.bfloat16, BF16_TOL)
+
+
 @pytest.mark.parametrize("router", ["qwen3", "deepseek_v3"])
 def test_backward_reads_the_forwards_logits(router):
     """Without EP moe_layer returns its router logits even when the model does not ask for them, and its autograd

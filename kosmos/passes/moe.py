@@ -600,7 +600,9 @@ def _match_experts(walk: _Walk, down_gemm: fx.Node, up_gemm: fx.Node) -> _Expert
 
 
 def _router_linear(walk: _Walk, logits: fx.Node) -> tuple[fx.Node, fx.Node, Optional[fx.Node], Optional[torch.dtype]]:
-    """linear(h[.to(rd)], W[.to(rd)], b?) -> (h, W, b, rd)."""
+    """linear(h[.to(rd)], W[.to(rd)], b?) -> (h, W, b, rd). Under torch.autocast the linear runs in autocast's
+    dtype whatever its operands' (the traced output's dtype says so): rd is then that dtype, which the op's router
+    casts its operands to, as autocast does."""
     walk.call(logits, ("linear",), "router logits")
     h, w = logits.args[0], _arg(logits, 1, "weight")
     b = _arg(logits, 2, "bias", None)
@@ -615,6 +617,9 @@ def _router_linear(walk: _Walk, logits: fx.Node) -> tuple[fx.Node, fx.Node, Opti
     for n in (h, w) + ((b,) if b is not None else ()):
         if not isinstance(n, fx.Node):
             raise _NoMatch(f"{logits.name}: router operand {n!r} is not a tensor")
+    traced = _dtype(logits)
+    if traced is not None and traced != (rd or _dtype(h)):
+        rd = traced  # autocast
     return h, w, b, rd
 
 

@@ -80,6 +80,11 @@ def run(graph: torch.fx.Graph) -> int:
         why = None
         if not bases:
             continue
+        if all(b.op != "placeholder" for b in bases):  # recomputed here (activation checkpointing)
+            record(PassRecord(KIND, "backward", False, f"{op._schema.name}'s buffer is made in this graph (a "
+                              "recomputed forward): Inductor's reinplacing overwrites it when nothing reads it after",
+                              (node.name,)))
+            continue
         if any(b not in donated for b in bases):
             why = "a base is not a donated saved tensor"
         elif any(len(b.users) != 1 for b in bases):

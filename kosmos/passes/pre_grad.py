@@ -15,7 +15,8 @@ def run(gm: torch.fx.GraphModule, example_inputs, options: KosmosOptions) -> Non
     if not options.moe:
         return
     for g in _graph_modules(gm):
-        _drop_dead_getitems(g.graph)
+        if _drop_dead_getitems(g.graph):
+            g.recompile()
         moe_titan_ep.run(g, example_inputs, options)  # before moe.run: its router / lone-GEMM notes do not apply
         moe.run(g, example_inputs, options)
         moe_ep_forms.run(g, example_inputs, options)
@@ -32,9 +33,12 @@ def _graph_modules(gm: torch.fx.GraphModule) -> list:
     return out
 
 
-def _drop_dead_getitems(graph: torch.fx.Graph) -> None:
-    """Unused getitem nodes (Dynamo leaves them in higher-order ops' bodies, e.g. topk's unused half) would count
-    as uses of a block's intermediates outside the block."""
-    for node in reversed(graph.nodes):
+def _drop_dead_getitems(graph: torch.fx.Graph) -> int:
+    """Erases unused getitem nodes (Dynamo leaves them in higher-order ops' bodies, e.g. topk's unused half), which
+    would count as uses of a block's intermediates outside the block; returns how many."""
+    dropped = 0
+    for node in reversed(graph.nodes):  # last first: a getitem of a dropped getitem is dropped too
         if node.op == "call_function" and node.target is operator.getitem and not node.users:
             graph.erase_node(node)
+            dropped += 1
+    return dropped

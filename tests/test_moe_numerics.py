@@ -294,8 +294,8 @@ def _autocast_block(name: str, device: str, tol: float) -> None:
     apart near 0.5, and top-k implementations break ties differently: a looser bound there. With an fp32 router in
     the op the errors were 1.9e-3 (Qwen3) and 9.3e-2 (DeepSeek-V3); Inductor alone on this block: 1.9e-3 and
     9.3e-2 as well.)"""
-    build, layer = {"qwen3_moe": (tiny_qwen3_moe, 0), "deepseek_v3": (MODELS["deepseek_v3"][0], 1)}[name]
-    block = build().to(device).model.layers[layer].mlp
+    layer = {"qwen3_moe": 0, "deepseek_v3": 1}[name]  # an MoE layer (DeepSeek-V3's first is dense)
+    block = MODELS[name][0]().to(device).model.layers[layer].mlp
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, 64, block.experts.gate_up_proj.shape[-1], generator=g).to(device)
     go = torch.randn(x.shape, generator=g).to(device)

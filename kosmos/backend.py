@@ -17,16 +17,19 @@ from kosmos.options import KosmosOptions
 log = logging.getLogger("kosmos")
 
 KILL_SWITCH = "KOSMOS_DISABLE"
-_PASS_DIR = pathlib.Path(__file__).parent / "passes"
+_PACKAGE = pathlib.Path(__file__).parent
 
 
 @functools.lru_cache(maxsize=1)
 def _pass_sources_hash() -> str:
-    """Hash of the pass sources (read once per process: uuid() is asked for on every compile)."""
+    """Hash of the sources that shape a compiled graph (read once per process: uuid() is asked for on every
+    compile): the passes, the options, and the ops (schemas, fake impls and registered autograd decide the backward
+    graph that AOT autograd traces: a cached graph of an older kosmos calls the ops with arguments they no longer
+    take)."""
     h = hashlib.sha256()
-    files = sorted(_PASS_DIR.glob("*.py")) + [pathlib.Path(__file__).parent / "options.py"]
+    files = sorted(_PACKAGE.glob("passes/*.py")) + sorted(_PACKAGE.glob("ops/*.py")) + [_PACKAGE / "options.py"]
     for f in files:
-        h.update(f.name.encode())
+        h.update(str(f.relative_to(_PACKAGE)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -81,6 +82,34 @@ def test_second_compile_hits_fx_graph_cache(tmp_path, monkeypatch):
         # a different option changes the pass uuid: a miss, not a stale hit
         _compile_once(options={"move_cast_before_gather": False})
         assert counters["inductor"]["fxgraph_cache_miss"] == 2
+
+
+def test_pass_uuid_follows_the_ops_sources(tmp_path, monkeypatch):
+    """The ops' schemas and registered autograd shape the backward graph that a cache entry holds: a kosmos whose
+    ops changed must miss the cache (a stale entry called moe_layer_backward with arguments it no longer takes)."""
+    import shutil
+
+    from kosmos import backend
+
+    package = pathlib.Path(backend.__file__).parent
+    copy = tmp_path / "kosmos"
+    for part in ("passes", "ops"):
+        shutil.copytree(package / part, copy / part)
+    shutil.copy(package / "options.py", copy / "options.py")
+    monkeypatch.setattr(backend, "_PACKAGE", copy)
+
+    def uuid():
+        backend._pass_sources_hash.cache_clear()
+        return backend._pass_sources_hash()
+
+    try:
+        before = uuid()
+        assert uuid() == before
+        with open(copy / "ops" / "moe.py", "a") as f:
+            f.write("\n# changed\n")
+        assert uuid() != before
+    finally:
+        backend._pass_sources_hash.cache_clear()
 
 
 class _UserPass(CustomGraphPass):

@@ -8,6 +8,10 @@ and dense GEMMs of the same FLOPs.
     PYTHONPATH=. python3 benchmarks/moe.py --tiny                # CPU smoke run of the script itself (no timing)
     PYTHONPATH=. python3 benchmarks/moe.py --ep 2,4,8 --ts 16384   # EP mode in SimWorld (benchmarks/moe_ep.py)
     PYTHONPATH=. python3 benchmarks/moe.py --cudagraphs --modes kosmos_default --ts 4096   # both in CUDA graphs
+    PYTHONPATH=. python3 benchmarks/moe.py --frozen experts --ts 16384   # fine-tuning with the experts frozen
+
+--frozen experts|router|experts,router sets requires_grad False on those weights before compiling (fine-tuning that
+trains the rest): fwd+bwd then asks for the trained inputs' gradients only, and every variant skips what it can.
 
 --cudagraphs compiles Inductor with mode="reduce-overhead" and kosmos with options={"inductor_config":
 {"triton.cudagraphs": True}} (Inductor's CUDA graph trees under both; a step starts with
@@ -43,6 +47,7 @@ LAYERS = {
 TS = (4096, 8192, 16384)
 # (layer, T) -> (fwd ms, fwd+bwd ms) gated targets on one H200
 TARGETS = {("qwen3_235b", 16384): (8.4, 26.9), ("deepseek_v3", 16384): (21.5, 68.6)}
+FROZEN = {"experts": "experts.", "router": "gate."}  # --frozen: parameter name prefixes in HF's MoE blocks
 
 
 def build_block(layer: str, device, dtype, tiny: bool = False):
@@ -127,18 +132,23 @@ def run_cell(layer: str, T: int, args) -> dict:
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     block, d = build_block(layer, device, dtype, args.tiny)
+    for name, p in block.named_parameters():
+        if any(name.startswith(FROZEN[part]) for part in args.frozen):
+            p.requires_grad_(False)
     T = min(T, 64) if args.tiny else T
     x = torch.randn(1, T, d["H"], device=device, dtype=dtype, requires_grad=True)
     g = torch.randn_like(x)
     res = {"layer": layer, "T": T, "timing": "synced" if args.synced else "stream", **d}
     if args.cudagraphs:
         res["cudagraphs"] = True
+    if args.frozen:
+        res["frozen"] = ",".join(args.frozen)
     kosmos.reset_report()
     fns = variants(block, args.cudagraphs)
     step_begin = torch.compiler.cudagraph_mark_step_begin if args.cudagraphs else (lambda: None)
     runs = {name: fns[name] for name in ("hf_eager", "inductor") if name in args.baselines}
     runs.update({mode: fns["kosmos"] for mode in KOSMOS_MODES if mode in args.modes})
-    params = [x] + list(block.parameters())
+    params = [x] + [p for p in block.parameters() if p.requires_grad]
     with torch.no_grad():
         ref = block(x)
     for name, f in runs.items():
@@ -186,7 +196,7 @@ def table(results) -> str:
     lines = [head, "-" * len(head)]
     for r in results:
         tgt = r["target"]
-        ok = "" if tgt is None else (
+        ok = "" if tgt is None or r.get("frozen") else (
             f"fwd<={tgt[0]} {'met' if r['fwd_kosmos_default'] <= tgt[0] else 'MISS'}, "
             f"f+b<={tgt[1]} {'met' if r['fwdbwd_kosmos_default'] <= tgt[1] else 'MISS'}")
         cells = []
@@ -196,6 +206,8 @@ def table(results) -> str:
             cells.append(f"{times} {r.get(f'{kind}_inductor', float('nan')) / best:>6.2f}")
         peak = f"{r.get('peak_gib_inductor', float('nan')):.2f} / {r.get('peak_gib_kosmos_default', float('nan')):.2f}"
         lines.append(f"{r['layer']:>14} {r['T']:>6} | fwd ms: {cells[0]} | fwd+bwd ms: {cells[1]} | {ok} | {peak}")
+    if any(r.get("frozen") for r in results):
+        lines.append(f"frozen (requires_grad False, no gradient asked for): {results[0]['frozen']}")
     if any(r.get("cudagraphs") for r in results):
         lines.append("--cudagraphs: Inductor (reduce-overhead) and kosmos (triton.cudagraphs) in CUDA graph trees "
                      "(peak memory not measured: replays allocate nothing)")
@@ -229,6 +241,7 @@ def main(argv=None) -> int:
                         "calls back to back, one sync at the end, as triton's do_bench)")
     p.add_argument("--cudagraphs", action="store_true",
                    help="Inductor and kosmos both under Inductor's CUDA graph trees (one kosmos mode)")
+    p.add_argument("--frozen", default="", help="weights without gradients (comma-separated): " + ", ".join(FROZEN))
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, fp32: checks the script runs (no timing)")
@@ -236,6 +249,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     args.baselines = [b for b in args.baselines.split(",") if b]
+    args.frozen = [f for f in args.frozen.split(",") if f]
+    if set(args.frozen) - set(FROZEN):
+        p.error(f"unknown --frozen {args.frozen}; known: {list(FROZEN)}")
     if set(args.baselines) - {"hf_eager", "inductor"}:
         p.error(f"unknown --baselines {args.baselines}; known: hf_eager, inductor")
     unknown = sorted(set(args.modes) - set(KOSMOS_MODES))

@@ -216,7 +216,7 @@ def test_op_uses_fused_impl_with_env(monkeypatch):
     # saved_up as the autograd path passes it when nothing was saved: an empty tensor (the op mutates saved_up, and
     # with None or the argument left out, torch 2.11's custom-op version bump indexes a missing positional)
     args = (go, None, h, rw, None, None, gu, d, 2, "softmax", True, 1, 1, 1.0, None, "silu", None, 1, "all_to_all",
-            None, gu.new_empty(0, gu.shape[1]))
+            None, None, gu.new_empty(0, gu.shape[1]))
     fused = torch.ops.kosmos.moe_layer_backward(*args)
     runs = kosmos.report().runtime
     assert ("moe_layer_backward", "fused", "supported") in runs, runs

@@ -68,7 +68,7 @@ v4 = kosmos.moe_layer(v0: f32[16, 64], v1: f32[4, 64], None, None, v2: f32[2, 64
     [3] v6: f32[0, 64] -> output
     [4] v7: i32[0, 2] -> output""")
         self.assertExpectedInline(kosmos_calls(run.backward[0]), """\
-v7 = kosmos.moe_layer_backward(v0: f32[16, 64], None, v1: f32[16, 64], v2: f32[4, 64], None, None, v3: f32[2, 64, 64], v4: f32[2, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', '0', 2, 'all_reduce', None, v5: f32[0, 64], v6: i32[0, 2])
+v7 = kosmos.moe_layer_backward(v0: f32[16, 64], None, v1: f32[16, 64], v2: f32[4, 64], None, None, v3: f32[2, 64, 64], v4: f32[2, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', '0', 2, 'all_reduce', None, [True, True, True, True, True], v5: f32[0, 64], v6: i32[0, 2])
     [0] v8: f32[16, 64] -> reshape
     [1] v9: f32[4, 64] -> output
     [2] v10: f32[2, 64, 64] -> output

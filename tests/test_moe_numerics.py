@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 import kosmos  # noqa: E402
 import kosmos.hf_experts  # noqa: E402,F401  (registers experts_implementation="kosmos")
 from kosmos.ops import moe as moe_ops  # noqa: E402
+from kosmos.ops import moe_math  # noqa: E402
 from test_moe_pass import CASES, IDS, MODELS, _loss_and_grads, compile_run, count, model_run, token_ids, tiny_qwen3_moe  # noqa: E402
 
 FP32_TOL = 1e-5
@@ -143,8 +144,8 @@ def test_backward_follows_the_forwards_routing(router):
             _, _, wts, _ = moe_ops._route_forward(h, w, rb, sb, *router_args, ids=routing)
             saved_up = moe_ops.experts(h.detach(), routing, wts, gu.detach(), d.detach(), return_up=True)[2]
         plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
-        grads = torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all", None, saved_up,
-                                                    routing.to(torch.int32))
+        grads = torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all", None, None,
+                                                    saved_up, routing.to(torch.int32))
         return [g for g in (grads[0], grads[1], grads[4] if rb is not None else None, grads[2], grads[3])
                 if g is not None]
 
@@ -154,7 +155,7 @@ def test_backward_follows_the_forwards_routing(router):
     assert max(rel_err(a, b) for a, b in zip(backward(ids), ref)) > 1e-3
     with pytest.raises(ValueError, match="saved_up without topk_ids"):
         plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
-        torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all", None,
+        torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all", None, None,
                                             torch.zeros(h.shape[0] * k + w.shape[0], gu.shape[1]), None)
 
 
@@ -344,8 +345,8 @@ def test_backward_reads_the_forwards_logits(router):
     go = torch.randn(h.shape)
 
     def backward(router_logits):
-        return torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all", None, saved_up.clone(),
-                                                   topk_ids, router_logits)
+        return torch.ops.kosmos.moe_layer_backward(go, None, *plain[:14], None, 1, "all_to_all", None, None,
+                                                   saved_up.clone(), topk_ids, router_logits)
 
     given, recomputed = backward(logits), backward(None)
     assert all(torch.equal(a, b) for a, b in zip(given, recomputed))
@@ -353,3 +354,110 @@ def test_backward_reads_the_forwards_logits(router):
     assert rel_err(moved[0], given[0]) > 1e-3 and rel_err(moved[1], given[1]) > 1e-3
     with pytest.raises(ValueError, match="router_logits"):
         backward(logits[:, :-1])
+
+
+# ------------------------------------------------------------------------------------------- frozen parameters
+
+
+def _count_calls(monkeypatch, module, name: str) -> list:
+    """Patches module.name to record each call's arguments (then runs the original)."""
+    calls, original = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("router", ["qwen3", "deepseek_v3", "mixtral_no_renorm"])
+def test_backward_skips_gradients_not_needed(router, monkeypatch):
+    """grads_needed (autograd's needs_input_grad): a gradient not needed comes back empty, its matmuls are not run
+    (the experts' weight gradients are two of the backward's five grouped matmuls), and the others are the same bits
+    as with every gradient."""
+    h, w, gu, d = _inputs()
+    plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in _layer_args(h, w, gu, d, router)]
+    out, logits, _, saved_up, topk_ids = torch.ops.kosmos.moe_layer(*plain)
+    go, gl = torch.randn(out.shape), torch.randn(logits.shape)
+    wgrads = _count_calls(monkeypatch, moe_math, "_grouped_wgrad")
+    router_grads = _count_calls(monkeypatch, moe_ops, "_router_param_grads")
+
+    def backward(needed):
+        return torch.ops.kosmos.moe_layer_backward(go, gl, *plain[:14], None, 1, "all_to_all", None, needed,
+                                                   saved_up.clone(), topk_ids, logits)
+
+    full = backward(None)
+    has_bias = plain[2] is not None
+    assert len(wgrads) == 2 and len(router_grads) == 1 and (full[4].numel() > 0) == has_bias
+    for needed in ([True, True, False, False, True], [True, False, True, True, False], [False, True, True, False, True],
+                   [False, False, False, False, False]):
+        wgrads.clear()
+        router_grads.clear()
+        got = backward(needed)
+        for name, a, b, need in zip(("hidden", "router_weight", "gate_up", "down", "router_bias"), got, full, needed):
+            if need:
+                assert torch.equal(a, b), (name, needed)
+            else:
+                assert a.numel() == 0, (name, needed)
+        assert len(wgrads) == needed[2] + needed[3], needed
+        assert len(router_grads) == (needed[1] or (needed[4] and has_bias)), needed
+    with pytest.raises(ValueError, match="grads_needed has 3 flags, want 5"):
+        backward([True, True, True])
+
+
+FROZEN = {"experts": ("mlp.experts.",), "router": ("mlp.gate.",), "moe_block": ("mlp.",)}
+# (grads_needed of moe_layer_backward, weight-gradient grouped matmuls and router weight gradients per layer)
+FROZEN_EXPECT = {"experts": ([True, True, False, False, True], 0, 1), "router": ([True, False, True, True, True], 2, 0),
+                 "moe_block": ([True, False, False, False, True], 0, 0)}
+
+
+def _frozen(name: str, frozen: str, device: str, dtype: torch.dtype, tol: float, monkeypatch) -> None:
+    """Fine-tuning with some weights frozen (requires_grad False): the compiled model matches eager, the backward
+    graph asks moe_layer_backward for the trained inputs' gradients only, and the frozen weights' matmuls do not
+    run (Inductor skips them for HF's own graph too)."""
+    build, layers = MODELS[name]
+    model = build(dtype).to(device)
+    for n, p in model.named_parameters():
+        if n.startswith("model.layers.") and any(part in n for part in FROZEN[frozen]):
+            p.requires_grad_(False)
+    wgrads = _count_calls(monkeypatch, moe_math, "_grouped_wgrad")
+    router_grads = _count_calls(monkeypatch, moe_ops, "_router_param_grads")
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        run = compile_run(model, token_ids().to(device))
+    assert rel_err(run.loss, run.eager_loss) <= tol, (run.loss, run.eager_loss)
+    assert_close_grads(run.grads, run.eager_grads, tol)
+    needed, n_wgrads, n_router = FROZEN_EXPECT[frozen]
+    flags = [n.args[20] for g in run.backward for n in (g.graph if hasattr(g, "graph") else g).nodes
+             if n.op == "call_function" and str(n.target) == "kosmos.moe_layer_backward.default"]
+    assert flags == [needed] * layers, flags
+    assert len(wgrads) == n_wgrads * layers and len(router_grads) == n_router * layers, (len(wgrads), len(router_grads))
+
+
+@pytest.mark.parametrize("name,frozen", [("qwen3_moe", "experts"), ("qwen3_moe", "router"),
+                                         ("deepseek_v3", "experts"), ("deepseek_v3", "moe_block")])
+def test_frozen_parameters_match_eager_and_skip_their_matmuls(name, frozen, monkeypatch):
+    _frozen(name, frozen, "cpu", torch.float32, FP32_TOL, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MODELS))
+def test_frozen_experts_match_eager_and_skip_their_matmuls_cuda(name, monkeypatch):
+    _frozen(name, "experts", "cuda", torch.bfloat16, BF16_TOL, monkeypatch)
+
+
+def test_kosmos_experts_implementation_with_frozen_experts(monkeypatch):
+    """The `kosmos` experts implementation (moe_experts) skips the frozen experts' weight gradients too."""
+    model = tiny_qwen3_moe()
+    model.set_experts_implementation("kosmos")
+    for n, p in model.named_parameters():
+        if ".experts." in n:
+            p.requires_grad_(False)
+    ids = token_ids()
+    eager_loss, eager_grads, _ = _loss_and_grads(model, ids)
+    wgrads = _count_calls(monkeypatch, moe_math, "_grouped_wgrad")
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        run = compile_run(model, ids)
+    assert rel_err(run.loss, eager_loss) <= FP32_TOL
+    assert_close_grads(run.grads, eager_grads, FP32_TOL)
+    assert count(run.backward, "moe_experts_backward") == MODELS["qwen3_moe"][1] and wgrads == []

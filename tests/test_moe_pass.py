@@ -275,12 +275,12 @@ v13 = kosmos.moe_layer(v9: f32[16, 64], v10: f32[8, 64], None, None, v11: f32[8,
     [3] v16: f32[40, 64] -> output
     [4] v17: i32[16, 2] -> output""")
         self.assertExpectedInline(kosmos_calls(run.backward[0]), """\
-v9 = kosmos.moe_layer_backward(v0: f32[16, 64], v1: f32[16, 8], v2: f32[16, 64], v3: f32[8, 64], None, None, v4: f32[8, 64, 64], v5: f32[8, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', None, 1, 'all_to_all', None, v6: f32[40, 64], v7: i32[16, 2], v8: f32[16, 8])
+v9 = kosmos.moe_layer_backward(v0: f32[16, 64], v1: f32[16, 8], v2: f32[16, 64], v3: f32[8, 64], None, None, v4: f32[8, 64, 64], v5: f32[8, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', None, 1, 'all_to_all', None, [True, True, True, True, True], v6: f32[40, 64], v7: i32[16, 2], v8: f32[16, 8])
     [0] v10: f32[16, 64] -> reshape
     [1] v11: f32[8, 64] -> output
     [2] v12: f32[8, 64, 64] -> output
     [3] v13: f32[8, 64, 32] -> output
-v23 = kosmos.moe_layer_backward(v14: f32[16, 64], v15: f32[16, 8], v16: f32[16, 64], v17: f32[8, 64], None, None, v18: f32[8, 64, 64], v19: f32[8, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', None, 1, 'all_to_all', None, v20: f32[40, 64], v21: i32[16, 2], v22: f32[16, 8])
+v23 = kosmos.moe_layer_backward(v14: f32[16, 64], v15: f32[16, 8], v16: f32[16, 64], v17: f32[8, 64], None, None, v18: f32[8, 64, 64], v19: f32[8, 64, 32], 2, 'softmax', True, 1, 1, 1.0, None, 'silu', None, 1, 'all_to_all', None, [True, True, True, True, True], v20: f32[40, 64], v21: i32[16, 2], v22: f32[16, 8])
     [0] v24: f32[16, 64] -> reshape
     [1] v25: f32[8, 64] -> output
     [2] v26: f32[8, 64, 64] -> output
@@ -306,7 +306,7 @@ v5 = kosmos.moe_layer(v0: f32[16, 64], v1: f32[8, 64], None, v2: f32[8], v3: f32
     [3] v8: f32[40, 64] -> output
     [4] v9: i32[16, 2] -> output""")
         self.assertExpectedInline(kosmos_calls(run.backward[0]), """\
-v9 = kosmos.moe_layer_backward(v0: f32[16, 64], None, v1: f32[16, 64], v2: f32[8, 64], None, v3: f32[8], v4: f32[8, 64, 64], v5: f32[8, 64, 32], 2, 'sigmoid', True, 2, 1, 2.5, float32, 'silu', None, 1, 'all_to_all', None, v6: f32[40, 64], v7: i32[16, 2], v8: f32[16, 8])
+v9 = kosmos.moe_layer_backward(v0: f32[16, 64], None, v1: f32[16, 64], v2: f32[8, 64], None, v3: f32[8], v4: f32[8, 64, 64], v5: f32[8, 64, 32], 2, 'sigmoid', True, 2, 1, 2.5, float32, 'silu', None, 1, 'all_to_all', None, [True, True, True, True, True], v6: f32[40, 64], v7: i32[16, 2], v8: f32[16, 8])
     [0] v10: f32[16, 64] -> reshape
     [1] v11: f32[8, 64] -> output
     [2] v12: f32[8, 64, 64] -> output

@@ -93,7 +93,7 @@ class TestSnapshot(TestCase):
                 targets = {str(n.target) for n in c.graph.nodes}
                 assert not [t for t in targets if any(op in t for op in LEFTOVERS)], targets
             self.assertExpectedInline(skeleton(fwd.code, kosmos_only=True), """t0 = torch.ops.kosmos.moe_layer.default(t1, t2, None, None, t3, t4, 2, 'softmax', False, 1, 1, 1.0, None, 'silu', False, '0')""")
-            self.assertExpectedInline(skeleton(bwd.code, kosmos_only=True), """t0 = torch.ops.kosmos.moe_layer_backward.default(tangents_1, None, t1, t2, None, None, t3, t4, 2, 'softmax', False, 1, 1, 1.0, None, 'silu', '0', 1, 'all_to_all', None, t5, t6)""")
+            self.assertExpectedInline(skeleton(bwd.code, kosmos_only=True), """t0 = torch.ops.kosmos.moe_layer_backward.default(tangents_1, None, t1, t2, None, None, t3, t4, 2, 'softmax', False, 1, 1, 1.0, None, 'silu', '0', 1, 'all_to_all', None, [True, True, True, True, True], t5, t6)""")
             # gate_up = cat([w1, w3], 1) of the parameters (x, router, w1, w3, w2 = primals 1..5); its gradient is
             # split back: rows [0, I) to w1, [I, 2I) to w3
             (call,) = [n for n in fwd.graph.nodes if "moe_layer" in str(n.target)]

@@ -40,11 +40,12 @@ def why_reference(op: str, device: torch.device, *args) -> Optional[str]:
     return _fused[op][0](*args) if args else None
 
 
-def try_fused(op: str, device: torch.device, *args) -> tuple[bool, Any]:
+def try_fused(op: str, device: torch.device, *args, refuse: Optional[str] = None) -> tuple[bool, Any]:
     """Runs the fused impl of `op` on `args` when it takes them -> (True, its result); otherwise (False, None)
-    and the caller runs the reference impl. Records which impl ran and why: the why_not reason, or a kernel
-    build that turned out not to fit the GPU (raised by the launcher before anything ran)."""
-    reason = why_reference(op, device, *args)
+    and the caller runs the reference impl. Records which impl ran and why: the why_not reason, the caller's own
+    `refuse` reason (where the reference does better on these args), or a kernel build that turned out not to fit
+    the GPU (raised by the launcher before anything ran)."""
+    reason = why_reference(op, device, *args) or refuse
     if reason is None:
         try:
             out = _fused[op][1](*args)

@@ -61,17 +61,24 @@ profile, benchmarks/RESULTS.md eighth session).
 Backward ops (one launch per direction; registered as the ops' autograd, so after AOT autograd the backward
 graph holds one call per MoE layer):
     moe_layer_backward(grad_out, grad_router_logits?, <moe_layer's inputs to ep_mode but return_router_logits>,
-                       weights_dtype?, saved_up?, topk_ids?, router_logits?)
-        (weights_dtype ahead of saved_up: Inductor's lowering of this mutating op loses a non-tensor argument
-        after the mutated one)
+                       weights_dtype?, grads_needed?, saved_up?, topk_ids?, router_logits?)
+        (weights_dtype and grads_needed ahead of saved_up: Inductor's lowering of this mutating op loses a
+        non-tensor argument after the mutated one)
         -> (d_hidden, d_router_weight, d_gate_up_proj, d_down_proj, d_router_bias ([0] without router_bias))
+        grads_needed (5 flags in the outputs' order, None: all) comes from autograd's needs_input_grad (always a
+        list: with None there Inductor's lowering of the mutating op drops the argument, torch 2.13): a frozen
+        parameter's output is an empty [0] and its matmuls are not run (frozen experts, as in fine-tuning that
+        trains attention only: their two weight-gradient grouped matmuls and the gather of x are about 30% of the
+        backward; Inductor skips them too). The reference impl skips them without EP (the EP backward and the
+        opt-in fused backward compute every gradient: the fused one is then not taken, with that reason).
         saved_up is overwritten (its storage holds the SwiGLU backward's d_up, then d_hidden): a second backward
         through the same saved tensors never reads it. Eagerly autograd's version check raises; in a compiled graph
         AOT autograd's donated-buffer check raises, or the backward was compiled without donating saved_up and the
         registered autograd hands the op a copy (`_may_overwrite`). Nothing saved: pass an empty [0, 2I] saved_up
         (as the autograd does); with None or left out, torch 2.11's version bump of the mutated argument indexes a
         positional that torch dropped as a default and raises IndexError (torch 2.13 fills the defaults first)
-    moe_experts_backward(grad_out, <moe_experts' inputs>) -> [d_hidden, d_topk_weights, d_gate_up_proj, d_down_proj]
+    moe_experts_backward(grad_out, <moe_experts' inputs>, grads_needed?)
+        -> [d_hidden, d_topk_weights, d_gate_up_proj, d_down_proj] (grads_needed as moe_layer_backward's, 4 flags)
 They save the forward's inputs (moe_layer also saved_up) and recompute the rest: the routing, and without
 saved_up rows the up projection (`route_backward`, `experts_backward`: matmuls in the weights' dtype, sums in
 fp32). With saved_up nothing of the experts is recomputed: d_topk_weights = <grad_out, y> is taken as
@@ -332,6 +339,7 @@ def moe_layer_backward(
     ep_world_size: int,
     ep_mode: str = "all_to_all",
     weights_dtype: Optional[torch.dtype] = None,
+    grads_needed: Optional[list[bool]] = None,
     saved_up: Optional[torch.Tensor] = None,
     topk_ids: Optional[torch.Tensor] = None,
     router_logits: Optional[torch.Tensor] = None,
@@ -339,9 +347,13 @@ def moe_layer_backward(
     args = (grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
             down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
             activation, ep_group_name, ep_world_size, ep_mode, weights_dtype, saved_up, topk_ids, router_logits)
+    needed = _grads_needed(grads_needed, router_bias)
     with_saved_up, forward_ids = _check_saved_state(saved_up, topk_ids, hidden, gate_up_proj, top_k, ep_group_name)
     forward_logits = _check_saved_logits(router_logits, forward_ids, hidden, router_weight, router_dtype)
-    done, fused_out = dispatch.try_fused("moe_layer_backward", hidden.device, *args)
+    frozen = [name for name, need in zip(_GRAD_NAMES, needed) if not need]
+    refuse = (f"gradients not needed ({', '.join(frozen)}): the reference impl skips their matmuls, the fused "
+              "backward computes every gradient") if frozen else None
+    done, fused_out = dispatch.try_fused("moe_layer_backward", hidden.device, *args, refuse=refuse)
     if done:
         return _backward_outputs(fused_out, router_weight)
     routed = _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring, norm_topk_prob,
@@ -357,39 +369,65 @@ def moe_layer_backward(
     if with_saved_up:  # the router's d_hidden goes into the experts' fold (no fp32 [T, H] add pass)
         rows = _SortedPairs(ids, gate_up_proj.shape[0])
         d_h, d_weights, d_gate_up, d_down = experts_backward_saved_rows(grad_out, hidden, rows, weights,
-                                                                        gate_up_proj, down_proj, saved_up)
+                                                                        gate_up_proj, down_proj, saved_up,
+                                                                        wgrads=needed[2:4])
         d_logits = _router_d_logits(d_weights, grad_router_logits, routed, scoring, routed_scaling_factor)
-        d_x = _grouped_mm(d_h, gate_up_proj, rows.groups)  # after d_logits: the router's temporaries stay off the peak
+        # after d_logits: the router's temporaries stay off the peak
+        d_x = _grouped_mm(d_h, gate_up_proj, rows.groups) if needed[0] else None
         del d_h
-        d_hidden = _fold_saved(d_x, rows.row, hidden.shape[0], top_k, saved_up, d_logits,
-                               route_state["router_weight"])
+        d_hidden = None if d_x is None else _fold_saved(d_x, rows.row, hidden.shape[0], top_k, saved_up, d_logits,
+                                                        route_state["router_weight"])
         del d_x
-        if recast:
-            route_state["hidden"] = hidden.to(router_dtype)
-        d_router_weight, d_router_bias = _router_param_grads(d_logits, route_state["hidden"], router_weight,
-                                                             router_bias)
+        d_router_weight = d_router_bias = None
+        if needed[1] or (needed[4] and router_bias is not None):
+            if recast:
+                route_state["hidden"] = hidden.to(router_dtype)
+            d_router_weight, d_router_bias = _router_param_grads(d_logits, route_state["hidden"], router_weight,
+                                                                 router_bias, needed[1], needed[4])
     else:
         if ep_mode == "all_reduce":
             d_hidden, d_weights, d_gate_up, d_down = _replicated_backward(
                 grad_out, hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name)
         else:
             d_hidden, d_weights, d_gate_up, d_down = _experts_backward_any(
-                grad_out, hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size)
+                grad_out, hidden, ids, weights, gate_up_proj, down_proj, activation, ep_group_name, ep_world_size,
+                wgrads=needed[2:4])
         if recast:
             route_state["hidden"] = hidden.to(router_dtype)
         d_hidden, d_router_weight, d_router_bias = route_backward(
             d_weights, grad_router_logits, routed, router_weight, router_bias, scoring, routed_scaling_factor,
             d_hidden)
     # a copy even in hidden's dtype: d_hidden may live in saved_up's storage, which an output must not alias
-    grads = [d_hidden.to(hidden.dtype, copy=True), d_router_weight, d_gate_up, d_down]
-    return _backward_outputs(grads + ([d_router_bias] if router_bias is not None else []), router_weight)
+    grads = [d_hidden.to(hidden.dtype, copy=True) if needed[0] else None, d_router_weight, d_gate_up, d_down]
+    return _backward_outputs(grads + [d_router_bias], router_weight, needed, (hidden, router_weight, gate_up_proj,
+                                                                              down_proj, router_bias))
 
 
-def _backward_outputs(grads, router_weight):
+_GRAD_NAMES = ("hidden", "router_weight", "gate_up_proj", "down_proj", "router_bias")
+
+
+def _grads_needed(grads_needed, router_bias) -> list[bool]:
+    """moe_layer_backward's grads_needed as 5 flags in the outputs' order ([d_hidden, d_router_weight,
+    d_gate_up_proj, d_down_proj, d_router_bias]; None: all); d_router_bias counts as needed without a router bias
+    (its output is empty either way)."""
+    if grads_needed is None:
+        return [True] * 5
+    if len(grads_needed) != 5:
+        raise ValueError(f"kosmos::moe_layer_backward: grads_needed has {len(grads_needed)} flags, want 5 "
+                         f"({', '.join(_GRAD_NAMES)})")
+    return [bool(n) for n in grads_needed[:4]] + [bool(grads_needed[4]) or router_bias is None]
+
+
+def _backward_outputs(grads, router_weight, needed=None, like=None):
     """The op's 5 outputs from [d_hidden, d_router_weight, d_gate_up_proj, d_down_proj] (+ [d_router_bias]): an
-    empty d_router_bias without a router bias. Fixed tensor outputs, not a list: torch functionalizes a custom op
-    that mutates an input (saved_up) only when each output is a plain Tensor."""
-    return (*grads[:4], grads[4] if len(grads) > 4 else router_weight.new_empty(0))
+    empty d_router_bias without a router bias, and with `needed` (5 flags) and `like` (the 5 inputs they are
+    gradients of) an empty tensor for each gradient not needed. Fixed tensor outputs, not a list: torch
+    functionalizes a custom op that mutates an input (saved_up) only when each output is a plain Tensor."""
+    grads = list(grads[:4]) + [grads[4] if len(grads) > 4 else None]
+    if needed is not None:
+        grads = [g if need else None for g, need in zip(grads, needed)]
+        grads = [g if g is not None or t is None else t.new_empty(0) for g, t in zip(grads, like)]
+    return (*grads[:4], grads[4] if grads[4] is not None else router_weight.new_empty(0))
 
 
 def _check_saved_state(saved_up, topk_ids, hidden, gate_up_proj, top_k, ep_group_name):
@@ -428,11 +466,12 @@ def _check_saved_logits(router_logits, forward_ids, hidden, router_weight, route
 
 @moe_layer_backward.register_fake
 def _moe_layer_backward_fake(grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias,
-                             gate_up_proj, down_proj, *rest):
-    grads = [torch.empty_like(hidden), torch.empty_like(router_weight), torch.empty_like(gate_up_proj),
-             torch.empty_like(down_proj)]
-    return _backward_outputs(grads + ([torch.empty_like(router_bias)] if router_bias is not None else []),
-                             router_weight)
+                             gate_up_proj, down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group,
+                             routed_scaling_factor, router_dtype, activation, ep_group_name, ep_world_size,
+                             ep_mode="all_to_all", weights_dtype=None, grads_needed=None, *rest):
+    like = (hidden, router_weight, gate_up_proj, down_proj, router_bias)
+    grads = [torch.empty_like(t) if t is not None else None for t in like]
+    return _backward_outputs(grads, router_weight, _grads_needed(grads_needed, router_bias), like)
 
 
 _LAYER_SCALARS = ("top_k", "scoring", "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
@@ -471,14 +510,17 @@ def _moe_layer_autograd(ctx, grad_out, grad_router_logits, _grad_counts, _grad_s
     s = ctx.scalars
     if not s["return_router_logits"]:
         grad_router_logits = None
+    need = ctx.needs_input_grad  # frozen parameters (fine-tuning) want no gradient: their matmuls are skipped
+    grads_needed = [need[0], need[1], need[4], need[5], need[2] or router_bias is None]
     grads = torch.ops.kosmos.moe_layer_backward(
         grad_out, grad_router_logits, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
         down_proj, s["top_k"], s["scoring"], s["norm_topk_prob"], s["n_group"], s["topk_group"],
         s["routed_scaling_factor"], s["router_dtype"], s["activation"], s["ep_group_name"], s["ep_world_size"],
-        s["ep_mode"], s["weights_dtype"], saved_up, topk_ids, router_logits if s["ep_group_name"] is None else None,
+        s["ep_mode"], s["weights_dtype"], grads_needed, saved_up, topk_ids,
+        router_logits if s["ep_group_name"] is None else None,
     )
-    d_hidden, d_router_weight, d_gate_up, d_down = grads[:4]
-    d_router_bias = grads[4] if router_bias is not None else None
+    d_hidden, d_router_weight, d_gate_up, d_down = [g if n else None for g, n in zip(grads[:4], grads_needed)]
+    d_router_bias = grads[4] if router_bias is not None and grads_needed[4] else None
     return (d_hidden, d_router_weight, d_router_bias, None, d_gate_up, d_down) + (None,) * len(_LAYER_SCALARS)
 
 
@@ -529,22 +571,38 @@ def moe_experts_backward(
     activation: str,
     ep_group_name: Optional[str],
     ep_world_size: int,
+    grads_needed: Optional[list[bool]] = None,
 ) -> list[torch.Tensor]:
     args = (grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation, ep_group_name,
             ep_world_size)
+    needed = _experts_grads_needed(grads_needed)
     done, fused_out = dispatch.try_fused("moe_experts_backward", hidden.device, *args)
     if done:
         return fused_out
     _check_ep_group("moe_experts_backward", ep_group_name, ep_world_size)
     d_hidden, d_weights, d_gate_up, d_down = _experts_backward_any(grad_out, hidden, topk_ids, topk_weights,
                                                                    gate_up_proj, down_proj, activation, ep_group_name,
-                                                                   ep_world_size)
-    return [d_hidden.to(hidden.dtype), d_weights, d_gate_up, d_down]
+                                                                   ep_world_size, wgrads=needed[2:4])
+    grads = [d_hidden.to(hidden.dtype), d_weights, d_gate_up, d_down]
+    like = (hidden, topk_weights, gate_up_proj, down_proj)
+    return [g if need else t.new_empty(0) for g, t, need in zip(grads, like, needed)]
+
+
+def _experts_grads_needed(grads_needed) -> list[bool]:
+    if grads_needed is None:
+        return [True] * 4
+    if len(grads_needed) != 4:
+        raise ValueError(f"kosmos::moe_experts_backward: grads_needed has {len(grads_needed)} flags, want 4 "
+                         "(hidden, topk_weights, gate_up_proj, down_proj)")
+    return [bool(n) for n in grads_needed]
 
 
 @moe_experts_backward.register_fake
-def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, *rest):
-    return [torch.empty_like(t) for t in (hidden, topk_weights, gate_up_proj, down_proj)]
+def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation,
+                               ep_group_name, ep_world_size, grads_needed=None):
+    like = (hidden, topk_weights, gate_up_proj, down_proj)
+    return [torch.empty_like(t) if need else t.new_empty(0)
+            for t, need in zip(like, _experts_grads_needed(grads_needed))]
 
 
 def _moe_experts_setup_context(ctx, inputs, output):
@@ -555,10 +613,13 @@ def _moe_experts_setup_context(ctx, inputs, output):
 
 def _moe_experts_autograd(ctx, grad_out, _grad_counts):
     hidden, topk_ids, topk_weights, gate_up_proj, down_proj = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    grads_needed = [need[0], need[2], need[3], need[4]]
     d_hidden, d_weights, d_gate_up, d_down = torch.ops.kosmos.moe_experts_backward(
-        grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, *ctx.scalars
+        grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, *ctx.scalars, grads_needed,
     )
-    return d_hidden, None, d_weights, d_gate_up, d_down, None, None, None
+    grads = [g if n else None for g, n in zip((d_hidden, d_weights, d_gate_up, d_down), grads_needed)]
+    return grads[0], None, grads[1], grads[2], grads[3], None, None, None
 
 
 moe_experts.register_autograd(_moe_experts_autograd, setup_context=_moe_experts_setup_context)

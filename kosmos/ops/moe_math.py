@@ -109,10 +109,13 @@ def _router_d_logits(d_weights, d_logits_out, routed, scoring, routed_scaling_fa
     return d_logits.to(logits.dtype)
 
 
-def _router_param_grads(d_logits, hidden, router_weight, router_bias):
-    """(d_router_weight, d_router_bias or None) from the logits gradient and the router's input (cast as it ran)."""
-    d_router_weight = (d_logits.transpose(0, 1) @ hidden).to(router_weight.dtype)
-    d_router_bias = d_logits.float().sum(0).to(router_bias.dtype) if router_bias is not None else None
+def _router_param_grads(d_logits, hidden, router_weight, router_bias, need_weight: bool = True,
+                        need_bias: bool = True):
+    """(d_router_weight, d_router_bias) from the logits gradient and the router's input (cast as it ran); None for
+    a gradient not needed (a frozen parameter) and for d_router_bias without a router bias."""
+    d_router_weight = (d_logits.transpose(0, 1) @ hidden).to(router_weight.dtype) if need_weight else None
+    d_router_bias = (d_logits.float().sum(0).to(router_bias.dtype)
+                     if router_bias is not None and need_bias else None)
     return d_router_weight, d_router_bias
 
 
@@ -277,16 +280,17 @@ def _swiglu_backward(gate, up, silu, d_act):
     return torch.cat([d_gate, d_act * silu], dim=-1)
 
 
-def _experts_grads(x, d_y, gate_up_proj, down_proj, groups):
+def _experts_grads(x, d_y, gate_up_proj, down_proj, groups, wgrads=(True, True)):
     """Backward of the experts on rows grouped by expert: x [S, H] in gate_up_proj's dtype and d_y [S, H] (gradient
     of each row's expert output, in down_proj's dtype) -> (y [S, H] recomputed, d_x [S, H] in gate_up_proj's dtype,
-    d_gate_up_proj, d_down_proj). Rows past the last group get unwritten y and d_x."""
+    d_gate_up_proj, d_down_proj). Rows past the last group get unwritten y and d_x. wgrads: whether d_gate_up_proj
+    / d_down_proj are wanted (None and no grouped matmul for a frozen weight)."""
     gate, up, silu, act = _experts_up(x, gate_up_proj, groups, down_proj.dtype)
     y = _grouped_mm(act, down_proj.transpose(1, 2), groups)
-    d_down = _grouped_wgrad(d_y, act, groups, down_proj)
+    d_down = _grouped_wgrad(d_y, act, groups, down_proj) if wgrads[1] else None
     d_act = _grouped_mm(d_y, down_proj, groups).to(silu.dtype)
     d_h = _swiglu_backward(gate, up, silu, d_act)
-    d_gate_up = _grouped_wgrad(d_h, x, groups, gate_up_proj)
+    d_gate_up = _grouped_wgrad(d_h, x, groups, gate_up_proj) if wgrads[0] else None
     return y, _grouped_mm(d_h, gate_up_proj, groups), d_gate_up, d_down
 
 
@@ -314,7 +318,7 @@ def _swiglu_rows_backward_(h, d_au, w):
     return h.copy_(_swiglu_backward(gate, up, silu, d_act)), d_w, d_au.copy_(act_w)
 
 
-def _experts_backward_saved_(grad_out, hidden, rows, w_rows, h, gate_up_proj, down_proj):
+def _experts_backward_saved_(grad_out, hidden, rows, w_rows, h, gate_up_proj, down_proj, wgrads=(True, True)):
     """The experts' backward with the forward's up rows h = [gate | up] saved: no up projection and no y
     recomputed; h is overwritten (with d_h). w_rows [S]: each row's routing weight. d_down_proj = sum g^T (act * w)
     with g the rows' grad_out; the weight's gradient <g, y> is <g @ down_e, act>, so one grouped matmul gives it
@@ -322,15 +326,18 @@ def _experts_backward_saved_(grad_out, hidden, rows, w_rows, h, gate_up_proj, do
     memory: temporaries are dropped after their last use and d_h takes h's storage, so the weight grads are
     computed beside d_h and one [S, H] buffer at a time and no more. -> (d_h [S, 2I] in h's storage, d_weight of
     each row fp32 [S], d_gate_up_proj, d_down_proj); d_x = d_h @ gate_up_proj per group is left to the caller
-    (anything small it computes before d_x stays off the peak)."""
+    (anything small it computes before d_x stays off the peak). wgrads: whether d_gate_up_proj / d_down_proj are
+    wanted; a frozen weight's is None, its grouped matmul (and for gate_up_proj the gather of x) not run."""
     g = rows.gather(grad_out, dtype=down_proj.dtype)
     d_au = _grouped_mm(g, down_proj, rows.groups)
     d_h, d_w_rows, act_w = _swiglu_rows_backward_(h, d_au, w_rows)
     del d_au
-    d_down = _grouped_wgrad(g, act_w, rows.groups, down_proj)
+    d_down = _grouped_wgrad(g, act_w, rows.groups, down_proj) if wgrads[1] else None
     del g, act_w
-    x = rows.gather(hidden, dtype=gate_up_proj.dtype)
-    d_gate_up = _grouped_wgrad(d_h, x, rows.groups, gate_up_proj)
+    d_gate_up = None
+    if wgrads[0]:
+        x = rows.gather(hidden, dtype=gate_up_proj.dtype)
+        d_gate_up = _grouped_wgrad(d_h, x, rows.groups, gate_up_proj)
     return d_h, d_w_rows, d_gate_up, d_down
 
 
@@ -401,29 +408,30 @@ def _fold_weighted(y, row, topk_weights):
     return acc.to(torch.promote_types(y.dtype, topk_weights.dtype))
 
 
-def experts_backward_saved_rows(grad_out, hidden, rows, topk_weights, gate_up_proj, down_proj, saved_up):
+def experts_backward_saved_rows(grad_out, hidden, rows, topk_weights, gate_up_proj, down_proj, saved_up,
+                                wgrads=(True, True)):
     """`experts_backward` with saved up rows up to the rows' d_up: (d_h [S, 2I] written over saved_up,
     d_topk_weights, d_gate_up_proj, d_down_proj). The rows' d_x is _grouped_mm(d_h, gate_up_proj, rows.groups),
     after which saved_up's storage is dead (`_fold_saved` folds d_x into it)."""
     num_tokens, top_k = topk_weights.shape
     w_rows = rows.gather(topk_weights.reshape(-1), rows.pair)
     d_h, d_w_rows, d_gate_up, d_down = _experts_backward_saved_(grad_out, hidden, rows, w_rows, saved_up,
-                                                                gate_up_proj, down_proj)
+                                                                gate_up_proj, down_proj, wgrads)
     d_weights = d_w_rows[rows.row].view(num_tokens, top_k).to(topk_weights.dtype)
     return d_h, d_weights, d_gate_up, d_down
 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu",
-                     saved_up: Optional[torch.Tensor] = None):
+                     saved_up: Optional[torch.Tensor] = None, wgrads=(True, True)):
     """Gradients of `experts` -> (d_hidden fp32 [T, H], d_topk_weights, d_gate_up_proj, d_down_proj).
     Recomputes the up projection unless the forward's saved up rows are given (then they are overwritten: their
     storage holds d_up); matmuls run in the weights' dtype, sums accumulate in fp32. Sentinel pairs (id E) get zero
-    gradients."""
+    gradients. wgrads: whether d_gate_up_proj / d_down_proj are wanted (None for a frozen weight)."""
     num_tokens, top_k = topk_ids.shape
     rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
     if saved_up is not None:
         d_h, d_weights, d_gate_up, d_down = experts_backward_saved_rows(grad_out, hidden, rows, topk_weights,
-                                                                        gate_up_proj, down_proj, saved_up)
+                                                                        gate_up_proj, down_proj, saved_up, wgrads)
         d_x = _grouped_mm(d_h, gate_up_proj, rows.groups)
         del d_h
         return _fold_saved(d_x, rows.row, num_tokens, top_k, saved_up), d_weights, d_gate_up, d_down
@@ -432,7 +440,7 @@ def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, dow
     product_dtype = torch.promote_types(down_proj.dtype, topk_weights.dtype)
     g = grad_out.to(product_dtype)  # d(weighted pair): the fold sums the pairs of a token
     d_y = (rows.gather(g) * w_rows.unsqueeze(-1)).to(down_proj.dtype)
-    y, d_x, d_gate_up, d_down = _experts_grads(x, d_y, gate_up_proj, down_proj, rows.groups)
+    y, d_x, d_gate_up, d_down = _experts_grads(x, d_y, gate_up_proj, down_proj, rows.groups, wgrads)
     y_pairs = y[rows.row].view(num_tokens, top_k, y.shape[-1]).to(product_dtype)
     d_weights = (g.unsqueeze(1) * y_pairs).float().sum(dim=-1).to(topk_weights.dtype)
     return _fold(d_x, rows.row, num_tokens, top_k, torch.float32), d_weights, d_gate_up, d_down
@@ -539,9 +547,11 @@ def _experts_any(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activa
 
 
 def _experts_backward_any(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation,
-                          ep_group_name, ep_world_size):
+                          ep_group_name, ep_world_size, wgrads=(True, True)):
+    """wgrads skips frozen weights' gradients without EP; the EP backward computes both (its callers drop them)."""
     if ep_group_name is None:
-        return experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation)
+        return experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation,
+                                wgrads=wgrads)
     return ep_experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation,
                                ep_group_name, ep_world_size)
 

@@ -84,8 +84,12 @@ def kosmos_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[d
 
 
 def register() -> None:
-    """Registers the backend under the name "kosmos" (idempotent; the entry point does the same after pip install)."""
+    """Registers the backend under the name "kosmos" (idempotent; the entry point does the same after pip install),
+    and has DDPOptimizer run the kosmos pre-grad passes before it splits a DDP module's graph (kosmos.ddp)."""
     from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    from kosmos import ddp
 
     if "kosmos" not in _BACKENDS or _BACKENDS["kosmos"] is None:
         register_backend(name="kosmos")(kosmos_backend)
+    ddp.install()

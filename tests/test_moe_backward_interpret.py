@@ -209,13 +209,13 @@ def _args(h, E=4, I=16, router_bias=None, **over):
              topk_group=1, routed_scaling_factor=1.0, router_dtype=None, activation="silu", ep_group_name=None,
              ep_world_size=1, ep_mode="all_to_all", weights_dtype=None, saved_up=torch.randn(0, 2 * I))
     a.update(over)
-    return tuple(a.values())
+    return a
 
 
 def test_gate_needs_env(monkeypatch):
     from kosmos.kernels import moe_ops
 
-    args = _args(torch.randn(4, 32))
+    args = tuple(_args(torch.randn(4, 32)).values())  # why_not takes the op's arguments but grads_needed
     for mode in (None, "forward", "0"):  # opt-in: off by default
         if mode is None:
             monkeypatch.delenv("KOSMOS_FUSED_MOE", raising=False)
@@ -243,7 +243,7 @@ def test_op_on_cpu_takes_reference_with_reason(monkeypatch):
 
     monkeypatch.setenv("KOSMOS_FUSED_MOE", "1")
     reporting.reset()
-    torch.ops.kosmos.moe_layer_backward(*_args(torch.randn(6, 32)))
+    torch.ops.kosmos.moe_layer_backward(**_args(torch.randn(6, 32)))
     runs = reporting.report().runtime
     assert [k for k in runs if k[0] == "moe_layer_backward"] == [
         ("moe_layer_backward", "reference", "cpu tensors (fused kernels need CUDA)")], runs

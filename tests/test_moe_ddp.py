@@ -70,10 +70,10 @@ def _rel(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_ddp_split_graph_keeps_moe_blocks_whole(name):
+@pytest.mark.parametrize("name,world", [("qwen3_moe", 2), ("deepseek_v3", 1)])  # (CI time: one 2-rank run)
+def test_ddp_split_graph_keeps_moe_blocks_whole(name, world):
     layers = MODELS[name][1]
-    for r in run_ranks(_ddp_rank, 2, name, True, timeout=600):
+    for r in run_ranks(_ddp_rank, world, name, True, timeout=600):
         assert r["buckets"] and max(r["buckets"]) > 1, r["buckets"]  # DDPOptimizer did split the graph
         assert r["rewrites"] == layers, r["rewrites"]
         assert _rel(r["loss"], r["eager_loss"]) <= 1e-5

@@ -278,7 +278,7 @@ def case_ops_layer_group_launch_matches_fake_impl(torch, SimWorld):
     finally:
         group_launch._workspace = workspace
     fake = ops._moe_layer_fake(*args)
-    fake_b = list(ops._moe_layer_backward_fake(*bargs, got[3]))
+    fake_b = list(ops._moe_layer_backward_fake(*bargs, None, got[3]))  # (None: grads_needed, all)
     for a, b in zip(list(got) + got_b, list(fake) + fake_b):
         assert (tuple(a.shape), a.dtype) == (tuple(b.shape), b.dtype), (tuple(a.shape), a.dtype, tuple(b.shape))
     assert len(got) == len(fake) and len(got_b) == len(fake_b) and got[3].shape == (0, 64)

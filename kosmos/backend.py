@@ -17,6 +17,11 @@ from kosmos.options import KosmosOptions
 log = logging.getLogger("kosmos")
 
 KILL_SWITCH = "KOSMOS_DISABLE"
+
+
+def disabled() -> bool:
+    """Whether the kill switch is set: kosmos then leaves every graph to plain Inductor."""
+    return os.environ.get(KILL_SWITCH, "0") not in ("", "0")
 _PACKAGE = pathlib.Path(__file__).parent
 
 
@@ -69,7 +74,7 @@ def kosmos_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[d
             "(torch.compile refuses mode= together with options=)"
         )
     opts = KosmosOptions.from_dict(options)
-    if os.environ.get(KILL_SWITCH, "0") not in ("", "0"):
+    if disabled():
         log.info("kosmos disabled by %s: compiling with plain Inductor", KILL_SWITCH)
         return compile_fx(gm, example_inputs, config_patches=opts.inductor_config or None)
 

@@ -10,7 +10,6 @@ calls (one node that takes the router and expert weights), and the pieces compil
 from __future__ import annotations
 
 import logging
-import os
 
 from torch._dynamo.backends import distributed
 
@@ -19,12 +18,10 @@ log = logging.getLogger("kosmos")
 
 def _kosmos_options(backend):
     """The KosmosOptions of a torch.compile backend wrapper if it is the kosmos backend, else None."""
-    from kosmos.backend import KILL_SWITCH, kosmos_backend
+    from kosmos.backend import disabled, kosmos_backend
     from kosmos.options import KosmosOptions
 
-    if getattr(backend, "compiler_fn", backend) is not kosmos_backend:
-        return None
-    if os.environ.get(KILL_SWITCH, "0") not in ("", "0"):
+    if getattr(backend, "compiler_fn", backend) is not kosmos_backend or disabled():
         return None
     return KosmosOptions.from_dict(getattr(backend, "kwargs", {}).get("options"))
 

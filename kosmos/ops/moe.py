@@ -404,18 +404,26 @@ def moe_layer_backward(
 
 
 _GRAD_NAMES = ("hidden", "router_weight", "gate_up_proj", "down_proj", "router_bias")
+_EXPERTS_GRAD_NAMES = ("hidden", "topk_weights", "gate_up_proj", "down_proj")
+
+
+def _flags(op: str, grads_needed, names) -> list[bool]:
+    """A backward op's grads_needed as one flag per output gradient (named `names`, in the outputs' order; None:
+    all); raises for a list of another length."""
+    if grads_needed is None:
+        return [True] * len(names)
+    if len(grads_needed) != len(names):
+        raise ValueError(f"kosmos::{op}: grads_needed has {len(grads_needed)} flags, want {len(names)} "
+                         f"({', '.join(names)})")
+    return [bool(n) for n in grads_needed]
 
 
 def _grads_needed(grads_needed, router_bias) -> list[bool]:
     """moe_layer_backward's grads_needed as 5 flags in the outputs' order ([d_hidden, d_router_weight,
     d_gate_up_proj, d_down_proj, d_router_bias]; None: all); d_router_bias counts as needed without a router bias
     (its output is empty either way)."""
-    if grads_needed is None:
-        return [True] * 5
-    if len(grads_needed) != 5:
-        raise ValueError(f"kosmos::moe_layer_backward: grads_needed has {len(grads_needed)} flags, want 5 "
-                         f"({', '.join(_GRAD_NAMES)})")
-    return [bool(n) for n in grads_needed[:4]] + [bool(grads_needed[4]) or router_bias is None]
+    needed = _flags("moe_layer_backward", grads_needed, _GRAD_NAMES)
+    return needed[:4] + [needed[4] or router_bias is None]
 
 
 def _backward_outputs(grads, router_weight, needed=None, like=None):
@@ -575,7 +583,7 @@ def moe_experts_backward(
 ) -> list[torch.Tensor]:
     args = (grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation, ep_group_name,
             ep_world_size)
-    needed = _experts_grads_needed(grads_needed)
+    needed = _flags("moe_experts_backward", grads_needed, _EXPERTS_GRAD_NAMES)
     done, fused_out = dispatch.try_fused("moe_experts_backward", hidden.device, *args)
     if done:
         return fused_out
@@ -588,21 +596,12 @@ def moe_experts_backward(
     return [g if need else t.new_empty(0) for g, t, need in zip(grads, like, needed)]
 
 
-def _experts_grads_needed(grads_needed) -> list[bool]:
-    if grads_needed is None:
-        return [True] * 4
-    if len(grads_needed) != 4:
-        raise ValueError(f"kosmos::moe_experts_backward: grads_needed has {len(grads_needed)} flags, want 4 "
-                         "(hidden, topk_weights, gate_up_proj, down_proj)")
-    return [bool(n) for n in grads_needed]
-
-
 @moe_experts_backward.register_fake
 def _moe_experts_backward_fake(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation,
                                ep_group_name, ep_world_size, grads_needed=None):
     like = (hidden, topk_weights, gate_up_proj, down_proj)
     return [torch.empty_like(t) if need else t.new_empty(0)
-            for t, need in zip(like, _experts_grads_needed(grads_needed))]
+            for t, need in zip(like, _flags("moe_experts_backward", grads_needed, _EXPERTS_GRAD_NAMES))]
 
 
 def _moe_experts_setup_context(ctx, inputs, output):

@@ -248,6 +248,30 @@ def test_varying_sequence_lengths_match_eager_cuda():
     _varying_lengths("cuda", torch.bfloat16, BF16_TOL)
 
 
+def test_compiled_autograd_matches_eager():
+    """torch._dynamo.config.compiled_autograd with the backward inside the compiled training step: the backward is
+    traced again at .backward(), through the AOT backward graph that holds kosmos::moe_layer_backward; the op still
+    runs and the gradients match eager."""
+    model = tiny_qwen3_moe()
+    ids = token_ids()
+    eager_loss, eager_grads, _ = _loss_and_grads(model, ids)
+    torch._dynamo.reset()
+    kosmos.reset_report()
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        step = torch.compile(_loss_and_grads, backend="kosmos", options={"tp_sp": False})
+        loss, grads, _ = step(model, ids)
+    captures = torch._dynamo.utils.counters["compiled_autograd"]["captures"]  # (torch._dynamo.reset clears it)
+    torch._dynamo.reset()
+    assert captures >= 1, "the backward did not go through compiled autograd"
+    assert rel_err(loss, eager_loss) <= FP32_TOL
+    assert_close_grads(grads, eager_grads, FP32_TOL)
+    report = kosmos.report()
+    layers = MODELS["qwen3_moe"][1]
+    assert report.count("moe_layer", "pre-grad") == layers, str(report)
+    runs = {op: n for (op, _, _), n in report.runtime.items()}
+    assert runs.get("moe_layer") == layers and runs.get("moe_layer_backward") == layers, str(report)
+
+
 def _checkpointed(name: str, device: str, dtype: torch.dtype, tol: float, reentrant: bool) -> None:
     """HF's gradient checkpointing (torch.utils.checkpoint around each decoder layer): Dynamo traces each layer into
     a higher-order op's body graph; the MoE blocks there are rewritten too (they were silently not: the report

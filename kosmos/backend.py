@@ -1,6 +1,7 @@
 """The `kosmos` torch.compile backend: pre-grad passes on the Dynamo graph, then Inductor with kosmos post-grad passes."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -64,16 +65,18 @@ class KosmosPostGradPass(CustomGraphPass):
         return json.dumps([_pass_sources_hash(), self.options.key(), repr(user_uuid)])
 
 
-def kosmos_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[dict] = None, **kwargs):
-    """torch.compile(model, backend="kosmos", options={...}); see kosmos.options.KosmosOptions."""
+def kosmos_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[dict] = None,
+                   mode: Optional[str] = None, **kwargs):
+    """torch.compile(model, backend="kosmos", options={...}) (see kosmos.options.KosmosOptions) or mode=... (one of
+    Inductor's modes, e.g. "reduce-overhead", "max-autotune": their Inductor settings under kosmos's passes)."""
     from torch._inductor.compile_fx import compile_fx
 
     if kwargs:
-        raise TypeError(
-            f"kosmos backend got unexpected arguments {sorted(kwargs)}; settings go in options= "
-            "(torch.compile refuses mode= together with options=)"
-        )
+        raise TypeError(f"kosmos backend got unexpected arguments {sorted(kwargs)}; settings go in options= or mode=")
     opts = KosmosOptions.from_dict(options)
+    if mode is not None:  # torch.compile passes no options= with it; options' own Inductor settings win if both
+        opts = dataclasses.replace(opts, inductor_config={**torch._inductor.list_mode_options(mode),
+                                                          **opts.inductor_config})
     if disabled():
         log.info("kosmos disabled by %s: compiling with plain Inductor", KILL_SWITCH)
         return compile_fx(gm, example_inputs, config_patches=opts.inductor_config or None)

@@ -60,6 +60,31 @@ def test_options_validated():
         torch.compile(lambda x: x + 1, backend="kosmos", options={"no_such_option": 1})(torch.ones(2))
 
 
+def test_inductor_modes_reach_inductor(monkeypatch):
+    """mode= as with Inductor: its settings go to Inductor's compile as config patches, beside kosmos's post-grad
+    pass; an unknown mode is an error naming the known ones."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    seen = []
+    real = compile_fx_module.compile_fx
+
+    def spy(gm, example_inputs, config_patches=None, **kwargs):
+        seen.append(dict(config_patches or {}))
+        return real(gm, example_inputs, config_patches=config_patches, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    out = torch.compile(lambda x: (x @ x.t()).relu(), backend="kosmos", mode="max-autotune-no-cudagraphs")(x)
+    torch.testing.assert_close(out, (x @ x.t()).relu())
+    assert seen and seen[0]["max_autotune"] is True and seen[0]["coordinate_descent_tuning"] is True
+    assert "post_grad_custom_post_pass" in seen[0]
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="Unrecognized mode=fastest"):
+        torch.compile(lambda x: x + 1, backend="kosmos", mode="fastest")(x)
+    torch._dynamo.reset()
+
+
 def _compile_once(options=None):
     torch._dynamo.reset()
     kosmos.reset_report()

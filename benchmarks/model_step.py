@@ -6,7 +6,8 @@ tokens/s, peak memory, the loss and gradients against eager's, and what kosmos r
     PYTHONPATH=.:benchmarks python3 benchmarks/model_step.py --tiny          # CPU smoke run of the script (no timing)
 
 A step is model(input_ids, labels=input_ids).loss, its backward into every parameter, and the gradients dropped
-(set to None): no optimizer, whose step costs the same under every compiler. Truncating the model to a few layers
+(set to None): no optimizer, whose step costs the same under every compiler. --mode reduce-overhead compiles both
+with Inductor's CUDA graph trees (no peak memory then: replays allocate nothing). Truncating the model to a few layers
 keeps the embedding and the LM head whole, so they weigh more in the step than in the full model (Qwen3-30B-A3B:
 48 layers); the MoE layer's own figures are benchmarks/moe.py's. DeepSeek-V3 keeps its first dense layer
 (first_k_dense_replace = 1) ahead of its MoE layers. Every variant trains the same model on the same tokens; errors are
@@ -84,13 +85,20 @@ def run_model(name: str, args) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     res = {"model": name, "layers": args.layers, "batch": batch, "seq": seq, "params_b": n_params / 1e9}
 
+    graphs = args.mode in ("reduce-overhead", "max-autotune")  # Inductor's CUDA graph trees under both compilers
+    mark_step = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)
+    if args.mode:
+        res["mode"] = args.mode
+
     def step(f):
+        mark_step()
         loss = f(input_ids=ids, labels=ids).loss
         loss.backward()
         return loss
 
     torch._dynamo.reset()
-    fns = {"eager": model, "inductor": torch.compile(model), "kosmos": torch.compile(model, backend="kosmos")}
+    fns = {"eager": model, "inductor": torch.compile(model, mode=args.mode),
+           "kosmos": torch.compile(model, backend="kosmos", mode=args.mode)}
     ref_loss = ref_norm = None
     for variant in args.variants:
         f = fns[variant]
@@ -102,6 +110,8 @@ def run_model(name: str, args) -> dict:
             ref_loss, ref_norm = loss, norm
         res[f"loss_err_{variant}"] = abs(loss - ref_loss) / abs(ref_loss)
         res[f"grad_norm_err_{variant}"] = abs(norm - ref_norm) / ref_norm
+        if graphs and variant != "eager":  # Inductor counts the graphs it declined to record
+            res[f"cudagraph_skips_{variant}"] = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
         if variant == "kosmos":
             rep = kosmos.report()
             res["kosmos_rewrites"] = {g: rep.count("moe_layer", g) for g in ("pre-grad", "forward", "backward")}
@@ -112,7 +122,7 @@ def run_model(name: str, args) -> dict:
             model.zero_grad(set_to_none=True)
             step(f)
 
-        if not args.tiny:
+        if not args.tiny and not graphs:  # (a replay allocates nothing: no peak to read under CUDA graphs)
             model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
@@ -125,6 +135,7 @@ def run_model(name: str, args) -> dict:
             del loss
             torch.cuda.synchronize()
             res[f"peak_gib_{variant}"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        if not args.tiny:
             res[f"step_ms_{variant}"] = bench_calls(timed_step, args.warmup, args.rep, args.min_reps)
             res[f"tok_s_{variant}"] = batch * seq / res[f"step_ms_{variant}"] * 1e3
         model.zero_grad(set_to_none=True)
@@ -148,6 +159,9 @@ def table(results) -> str:
                          f"{r.get(f'peak_gib_{v}', float('nan')):>9.2f} {r.get(f'fwd_peak_gib_{v}', float('nan')):>9.2f} "
                          f"{r.get(f'saved_gib_{v}', float('nan')):>9.2f} {r[f'loss_err_{v}']:>9.1e} "
                          f"{r[f'grad_norm_err_{v}']:>9.1e}")
+        if r.get("mode"):
+            lines.append(f"   torch.compile mode={r['mode']!r} for Inductor and kosmos; cudagraph skips (cumulative): "
+                         f"{r.get('cudagraph_skips_inductor')} / {r.get('cudagraph_skips_kosmos')}")
         if "kosmos_rewrites" in r:
             lines.append(f"   kosmos moe_layer rewrites {r['kosmos_rewrites']}; runs: " + "; ".join(r["kosmos_runs"]))
             lines += [f"   left alone: {line}" for line in r["kosmos_left_alone"]]
@@ -160,6 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4, help="decoder layers (DeepSeek-V3: the first is dense)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--mode", default=None, help="torch.compile mode for Inductor and kosmos alike, e.g. reduce-overhead")
     p.add_argument("--variants", default="eager,inductor,kosmos", help="the first is the numerics reference")
     p.add_argument("--warmup", type=int, default=300, help="ms of warm-up steps")
     p.add_argument("--rep", type=int, default=1000, help="ms of timed steps (at least --min-reps)")

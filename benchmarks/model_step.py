@@ -21,6 +21,7 @@ import json
 import torch
 
 from measure import bench_calls
+from peak_trace import live_at_peak
 
 MODELS = {
     "qwen3_30b_a3b": dict(family="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -81,7 +82,8 @@ def run_model(name: str, args) -> dict:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     model, cfg = build_model(name, args.layers, device, dtype, args.tiny)
     batch, seq = (2, 32) if args.tiny else (args.batch, args.seq)
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device, generator=torch.Generator(device).manual_seed(1))
+    gen = torch.Generator(device).manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device, generator=gen)
     n_params = sum(p.numel() for p in model.parameters())
     res = {"model": name, "layers": args.layers, "batch": batch, "seq": seq, "params_b": n_params / 1e9}
 
@@ -104,6 +106,7 @@ def run_model(name: str, args) -> dict:
         f = fns[variant]
         kosmos.reset_report()
         model.zero_grad(set_to_none=True)
+        skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
         loss = step(f).item()
         norm = grad_norm(model)
         if ref_loss is None:
@@ -111,12 +114,13 @@ def run_model(name: str, args) -> dict:
         res[f"loss_err_{variant}"] = abs(loss - ref_loss) / abs(ref_loss)
         res[f"grad_norm_err_{variant}"] = abs(norm - ref_norm) / ref_norm
         if graphs and variant != "eager":  # Inductor counts the graphs it declined to record
-            res[f"cudagraph_skips_{variant}"] = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+            res[f"cudagraph_skips_{variant}"] = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - skips
         if variant == "kosmos":
             rep = kosmos.report()
             res["kosmos_rewrites"] = {g: rep.count("moe_layer", g) for g in ("pre-grad", "forward", "backward")}
             res["kosmos_left_alone"] = sorted({r.line()[:160] for r in rep.left_alone})
-            res["kosmos_runs"] = sorted(f"{op} -> {impl} x{n} ({why})"[:200] for (op, impl, why), n in rep.runtime.items())
+            res["kosmos_runs"] = sorted(f"{op} -> {impl} x{n} ({why})"[:200]
+                                        for (op, impl, why), n in rep.runtime.items())
 
         def timed_step(f=f):
             model.zero_grad(set_to_none=True)
@@ -135,6 +139,11 @@ def run_model(name: str, args) -> dict:
             del loss
             torch.cuda.synchronize()
             res[f"peak_gib_{variant}"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            if args.peak_trace:
+                peak, rows, where = live_at_peak(timed_step)
+                res[f"peak_trace_{variant}"] = [f"peak {peak / 2**30:.2f} GiB above the step's start, at {where}"]
+                res[f"peak_trace_{variant}"] += [f"{size / 2**30:7.3f} GiB in {n:>3} blocks from {src}"
+                                                 for size, n, src in rows]
         if not args.tiny:
             res[f"step_ms_{variant}"] = bench_calls(timed_step, args.warmup, args.rep, args.min_reps)
             res[f"tok_s_{variant}"] = batch * seq / res[f"step_ms_{variant}"] * 1e3
@@ -156,15 +165,18 @@ def table(results) -> str:
             x = r.get("step_ms_inductor", float("nan")) / ms
             lines.append(f"{r['model']:>14} {r['layers']:>2} {r['batch'] * r['seq']:>6} | {v:>8} {ms:>9.2f} "
                          f"{r.get(f'tok_s_{v}', float('nan')):>9.0f} {x:>6.3f} "
-                         f"{r.get(f'peak_gib_{v}', float('nan')):>9.2f} {r.get(f'fwd_peak_gib_{v}', float('nan')):>9.2f} "
+                         f"{r.get(f'peak_gib_{v}', float('nan')):>9.2f} "
+                         f"{r.get(f'fwd_peak_gib_{v}', float('nan')):>9.2f} "
                          f"{r.get(f'saved_gib_{v}', float('nan')):>9.2f} {r[f'loss_err_{v}']:>9.1e} "
                          f"{r[f'grad_norm_err_{v}']:>9.1e}")
         if r.get("mode"):
-            lines.append(f"   torch.compile mode={r['mode']!r} for Inductor and kosmos; cudagraph skips (cumulative): "
+            lines.append(f"   torch.compile mode={r['mode']!r} for Inductor and kosmos; graphs not recorded: "
                          f"{r.get('cudagraph_skips_inductor')} / {r.get('cudagraph_skips_kosmos')}")
         if "kosmos_rewrites" in r:
             lines.append(f"   kosmos moe_layer rewrites {r['kosmos_rewrites']}; runs: " + "; ".join(r["kosmos_runs"]))
             lines += [f"   left alone: {line}" for line in r["kosmos_left_alone"]]
+        for v in ("eager", "inductor", "kosmos"):
+            lines += [f"   {v} {line}" for line in r.get(f"peak_trace_{v}", [])]
     return "\n".join(lines)
 
 
@@ -174,11 +186,13 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4, help="decoder layers (DeepSeek-V3: the first is dense)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--mode", default=None, help="torch.compile mode for Inductor and kosmos alike, e.g. reduce-overhead")
+    p.add_argument("--mode", default=None, help="torch.compile mode of Inductor and kosmos alike: reduce-overhead, ...")
     p.add_argument("--variants", default="eager,inductor,kosmos", help="the first is the numerics reference")
     p.add_argument("--warmup", type=int, default=300, help="ms of warm-up steps")
     p.add_argument("--rep", type=int, default=1000, help="ms of timed steps (at least --min-reps)")
     p.add_argument("--min-reps", type=int, default=10)
+    p.add_argument("--peak-trace", action="store_true",
+                   help="list what is allocated at each variant's memory peak, by source line (peak_trace.py)")
     p.add_argument("--json", default="")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny dims, fp32: checks the script runs (no timing)")
     args = p.parse_args(argv)

@@ -18,12 +18,12 @@ from kosmos.options import KosmosOptions
 log = logging.getLogger("kosmos")
 
 KILL_SWITCH = "KOSMOS_DISABLE"
+_PACKAGE = pathlib.Path(__file__).parent
 
 
 def disabled() -> bool:
     """Whether the kill switch is set: kosmos then leaves every graph to plain Inductor."""
     return os.environ.get(KILL_SWITCH, "0") not in ("", "0")
-_PACKAGE = pathlib.Path(__file__).parent
 
 
 @functools.lru_cache(maxsize=1)

@@ -99,8 +99,12 @@ def run_model(name: str, args) -> dict:
         return loss
 
     torch._dynamo.reset()
+    inductor_emb = {"aten_embedding_backward": False}  # kosmos with Inductor's own embedding backward
+    if args.mode:  # torch.compile takes mode= or options=, not both
+        inductor_emb["inductor_config"] = torch._inductor.list_mode_options(args.mode)
     fns = {"eager": model, "inductor": torch.compile(model, mode=args.mode),
-           "kosmos": torch.compile(model, backend="kosmos", mode=args.mode)}
+           "kosmos": torch.compile(model, backend="kosmos", mode=args.mode),
+           "kosmos_inductor_emb": torch.compile(model, backend="kosmos", options=inductor_emb)}
     ref_loss = ref_norm = None
     for variant in args.variants:
         f = fns[variant]
@@ -115,10 +119,11 @@ def run_model(name: str, args) -> dict:
         res[f"grad_norm_err_{variant}"] = abs(norm - ref_norm) / ref_norm
         if graphs and variant != "eager":  # Inductor counts the graphs it declined to record
             res[f"cudagraph_skips_{variant}"] = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - skips
-        if variant == "kosmos":
+        if variant.startswith("kosmos"):
             rep = kosmos.report()
+            res[f"kosmos_embedding_{variant}"] = sorted({r.line()[:160] for r in rep.records if r.kind == "embedding"})
             res["kosmos_rewrites"] = {g: rep.count("moe_layer", g) for g in ("pre-grad", "forward", "backward")}
-            res["kosmos_left_alone"] = sorted({r.line()[:160] for r in rep.left_alone})
+            res["kosmos_left_alone"] = sorted({r.line()[:160] for r in rep.left_alone if r.kind != "embedding"})
             res["kosmos_runs"] = sorted(f"{op} -> {impl} x{n} ({why})"[:200]
                                         for (op, impl, why), n in rep.runtime.items())
 
@@ -154,16 +159,15 @@ def run_model(name: str, args) -> dict:
 
 
 def table(results) -> str:
-    head = (f"{'model':>14} {'L':>2} {'tokens':>6} | {'variant':>8} {'step ms':>9} {'tok/s':>9} {'x ind':>6} "
+    head = (f"{'model':>14} {'L':>2} {'tokens':>6} | {'variant':>19} {'step ms':>9} {'tok/s':>9} {'x ind':>6} "
             f"{'peak GiB':>9} {'fwd peak':>9} {'saved':>9} {'loss err':>9} {'|g| err':>9}")
     lines = [head, "-" * len(head)]
     for r in results:
-        for v in ("eager", "inductor", "kosmos"):
-            if f"loss_err_{v}" not in r:
-                continue
+        variants = [k[len("loss_err_"):] for k in r if k.startswith("loss_err_")]
+        for v in variants:
             ms = r.get(f"step_ms_{v}", float("nan"))
             x = r.get("step_ms_inductor", float("nan")) / ms
-            lines.append(f"{r['model']:>14} {r['layers']:>2} {r['batch'] * r['seq']:>6} | {v:>8} {ms:>9.2f} "
+            lines.append(f"{r['model']:>14} {r['layers']:>2} {r['batch'] * r['seq']:>6} | {v[:19]:>19} {ms:>9.2f} "
                          f"{r.get(f'tok_s_{v}', float('nan')):>9.0f} {x:>6.3f} "
                          f"{r.get(f'peak_gib_{v}', float('nan')):>9.2f} "
                          f"{r.get(f'fwd_peak_gib_{v}', float('nan')):>9.2f} "
@@ -175,7 +179,8 @@ def table(results) -> str:
         if "kosmos_rewrites" in r:
             lines.append(f"   kosmos moe_layer rewrites {r['kosmos_rewrites']}; runs: " + "; ".join(r["kosmos_runs"]))
             lines += [f"   left alone: {line}" for line in r["kosmos_left_alone"]]
-        for v in ("eager", "inductor", "kosmos"):
+        for v in variants:
+            lines += [f"   {v} {line}" for line in r.get(f"kosmos_embedding_{v}", [])]
             lines += [f"   {v} {line}" for line in r.get(f"peak_trace_{v}", [])]
     return "\n".join(lines)
 
@@ -187,7 +192,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--mode", default=None, help="torch.compile mode of Inductor and kosmos alike: reduce-overhead, ...")
-    p.add_argument("--variants", default="eager,inductor,kosmos", help="the first is the numerics reference")
+    p.add_argument("--variants", default="eager,inductor,kosmos",
+                   help="the first is the numerics reference; also kosmos_inductor_emb (kosmos with Inductor's own "
+                        "embedding backward, aten_embedding_backward=False)")
     p.add_argument("--warmup", type=int, default=300, help="ms of warm-up steps")
     p.add_argument("--rep", type=int, default=1000, help="ms of timed steps (at least --min-reps)")
     p.add_argument("--min-reps", type=int, default=10)

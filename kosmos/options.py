@@ -11,6 +11,7 @@ class KosmosOptions:
     tp_sp: bool = True  # fuse all-gather -> matmul and matmul -> reduce-scatter
     moe: bool = True  # fuse whole MoE blocks (pre-grad)
     move_cast_before_gather: bool = True  # gather bf16 instead of fp32 when the matmul casts anyway
+    aten_embedding_backward: bool = True  # F.embedding -> kosmos::embedding: no fp32 [V, H] buffer in its backward
     inductor_config: dict = dataclasses.field(default_factory=dict)  # passed to Inductor as config_patches
 
     @classmethod

@@ -198,3 +198,96 @@ def test_fused_kernel_that_does_not_fit_takes_reference_with_reason():
         assert ("_test_op", "fused", "supported") in kosmos.report().runtime
     finally:
         dispatch._fused.pop("_test_op", None)
+
+
+class _LanguageModelHead(torch.nn.Module):
+    def __init__(self, vocab=300, dim=16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim, padding_idx=0)
+        self.frozen = torch.nn.Embedding(7, dim).requires_grad_(False)
+        self.last_padded = torch.nn.Embedding(5, dim, padding_idx=-1)  # row 4
+        self.unpadded = torch.nn.Embedding(5, dim)  # every row trains, the last too
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids) + self.frozen(ids % 7) + self.last_padded(ids % 5) + self.unpadded(ids % 5)
+        return torch.nn.functional.cross_entropy(self.head(h).flatten(0, 1), ids.flatten())
+
+
+@pytest.mark.parametrize("aten", [True, False])
+def test_embedding_backward_as_atens_kernel(aten):
+    """By default a trained embedding becomes kosmos::embedding, whose backward is aten's kernel (no fp32 [V, H]
+    buffer of Inductor's decomposition), reported as such; a frozen one is left alone with its reason; the option
+    gives Inductor's decomposition back. Gradients match eager either way."""
+    model = _LanguageModelHead()
+    ids = torch.randint(0, 300, (3, 20))
+    ids[0, :4] = 0  # padding_idx rows get no gradient
+    model(ids).backward()
+    ref = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    graphs = []
+
+    class Spy(CustomGraphPass):
+        def __call__(self, graph):
+            graphs.append([str(n.target) for n in graph.nodes if n.op == "call_function"])
+
+        def uuid(self):
+            return None
+
+    torch._dynamo.reset()
+    kosmos.reset_report()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=Spy(), fx_graph_cache=False):
+        f = torch.compile(model, backend="kosmos", options={"aten_embedding_backward": aten})
+        f(ids).backward()
+    for p, r in zip([p for p in model.parameters() if p.requires_grad], ref):
+        torch.testing.assert_close(p.grad, r, rtol=1e-5, atol=1e-6)
+    forward, backward = graphs
+    assert ("kosmos.embedding.default" in forward) == aten
+    assert ("kosmos.embedding_backward.default" in backward) == aten
+    assert any("index_put" in t for t in backward) != aten  # the decomposition's fp32 accumulate
+    recs = [r for r in kosmos.report().records if r.kind == "embedding"]
+    if aten:
+        done, alone = [r for r in recs if r.rewritten], [r for r in recs if not r.rewritten]
+        assert len(done) == 3 and done[0].shapes == {"num_weights": 300, "dim": 16}
+        assert "no 300 x 16 fp32 buffer" in done[0].line()
+        assert len(alone) == 1 and "needs no gradient" in alone[0].reason
+    else:
+        assert recs == []
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_embedding_backward_cuda_bf16_and_cuda_graphs():
+    """On CUDA in bf16 (aten's sort-based kernel): gradients as eager's (the same kernel, so equal up to the rest of
+    the compiled step's rounding), and under Inductor's CUDA graph trees every graph is recorded (the kernel does
+    not sync with the host) and the replays give the non-graphed step's gradients (to the rounding of Inductor's own
+    kernels, which may differ between the two compiles)."""
+    torch.manual_seed(0)
+    model = _LanguageModelHead(vocab=5000, dim=256).cuda().to(torch.bfloat16)
+    ids = torch.randint(0, 5000, (4, 512), device="cuda")
+    ids[0, :8] = 0
+
+    def grads(f):
+        model.zero_grad(set_to_none=True)
+        f(ids).backward()
+        return [p.grad.float().clone() for p in model.parameters() if p.requires_grad]
+
+    eager = grads(model)
+    torch._dynamo.reset()
+    kosmos.reset_report()
+    compiled = grads(torch.compile(model, backend="kosmos"))
+    assert kosmos.report().count("embedding", "pre-grad") == 3, str(kosmos.report())
+    for g, r in zip(compiled, eager):
+        assert ((g - r).norm() / r.norm()).item() < 2e-2
+    assert compiled[0][0].abs().max().item() == 0  # padding row
+    torch._dynamo.reset()
+    counters.clear()
+    graphed = torch.compile(model, backend="kosmos", mode="reduce-overhead")
+    for _ in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        replayed = grads(graphed)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    for g, r in zip(replayed, compiled):
+        assert ((g - r).norm() / r.norm()).item() < 1e-3
+    torch._dynamo.reset()

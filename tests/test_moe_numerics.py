@@ -201,7 +201,8 @@ def test_kosmos_experts_implementation_matches_eager():
     assert_close_grads(run.grads, eager_grads, FP32_TOL)
     layers = MODELS["qwen3_moe"][1]
     assert count(run.forward, "moe_experts") == layers and count(run.backward, "moe_experts_backward") == layers
-    assert run.report.records == [], str(run.report)  # nothing for the pass to do, nothing to complain about
+    # nothing for the MoE pass to do, nothing to complain about (the embedding has its own rewrite)
+    assert [r for r in run.report.records if r.kind != "embedding"] == [], str(run.report)
 
 
 @pytest.mark.gpu

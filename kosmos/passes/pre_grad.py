@@ -1,4 +1,5 @@
-"""Pre-grad pass stage on the Dynamo graph (before AOT autograd): MoE blocks -> kosmos::moe_layer."""
+"""Pre-grad pass stage on the Dynamo graph (before AOT autograd): MoE blocks -> kosmos::moe_layer; embeddings ->
+kosmos::embedding."""
 from __future__ import annotations
 
 import operator
@@ -6,20 +7,22 @@ import operator
 import torch
 
 from kosmos.options import KosmosOptions
-from kosmos.passes import moe, moe_ep_forms, moe_titan_ep
+from kosmos.passes import embedding, moe, moe_ep_forms, moe_titan_ep
 
 
 def run(gm: torch.fx.GraphModule, example_inputs, options: KosmosOptions) -> None:
     """Rewrites `gm` in place: whole MoE blocks (HF's, transformers' AllReduceEP, torchtitan-style all-to-all EP
-    traced whole) become one kosmos::moe_layer call; expert-parallel blocks no rewrite took are reported."""
-    if not options.moe:
-        return
+    traced whole) become one kosmos::moe_layer call; expert-parallel blocks no rewrite took are reported;
+    embeddings whose weight trains become kosmos::embedding (its backward aten's kernel)."""
     for g in _graph_modules(gm):
-        if _drop_dead_getitems(g.graph):
-            g.recompile()
-        moe_titan_ep.run(g, example_inputs, options)  # before moe.run: its router / lone-GEMM notes do not apply
-        moe.run(g, example_inputs, options)
-        moe_ep_forms.run(g, example_inputs, options)
+        if options.moe:
+            if _drop_dead_getitems(g.graph):
+                g.recompile()
+            moe_titan_ep.run(g, example_inputs, options)  # before moe.run: its router / lone-GEMM notes do not apply
+            moe.run(g, example_inputs, options)
+            moe_ep_forms.run(g, example_inputs, options)
+        if options.aten_embedding_backward:
+            embedding.run(g)
 
 
 def _graph_modules(gm: torch.fx.GraphModule) -> list:

@@ -133,7 +133,7 @@ from typing import Optional
 
 import torch
 
-from kosmos.ops import dispatch
+from kosmos.ops import dispatch, split_mm
 from kosmos.ops.moe_math import (_SortedPairs, _experts_any, _experts_backward_any, _fold_saved, _grouped_mm,
                                  _replicated_backward, _replicated_forward, _route_forward, _router_d_logits,
                                  _router_param_grads, ep_experts, experts, experts_backward_saved_rows, route,
@@ -376,14 +376,18 @@ def moe_layer_backward(
         d_x = _grouped_mm(d_h, gate_up_proj, rows.groups) if needed[0] else None
         del d_h
         d_hidden = None if d_x is None else _fold_saved(d_x, rows.row, hidden.shape[0], top_k, saved_up, d_logits,
-                                                        route_state["router_weight"])
+                                                        route_state["router_weight"], route_state["weight_exact"],
+                                                        hidden.dtype)
         del d_x
         d_router_weight = d_router_bias = None
         if needed[1] or (needed[4] and router_bias is not None):
-            if recast:
-                route_state["hidden"] = hidden.to(router_dtype)
+            if recast:  # bf16 hidden into split_mm as it is (its values are the fp32 copy's): no fp32 copy
+                as_is = (router_dtype == torch.float32 and hidden.dtype == torch.bfloat16
+                         and router_weight.dtype.itemsize == 2 and split_mm.supported(d_logits, hidden))
+                route_state["hidden"] = hidden if as_is else hidden.to(router_dtype)
             d_router_weight, d_router_bias = _router_param_grads(d_logits, route_state["hidden"], router_weight,
-                                                                 router_bias, needed[1], needed[4])
+                                                                 router_bias, needed[1], needed[4],
+                                                                 route_state["hidden_exact"])
     else:
         if ep_mode == "all_reduce":
             d_hidden, d_weights, d_gate_up, d_down = _replicated_backward(

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from kosmos.kernels import runtime
 from kosmos.ops import dispatch
+from kosmos.ops.split_mm import fp32_mm
 
 _SIGMOID_NORM_EPS = 1e-20  # DeepSeek-V3's renormalisation epsilon
 
@@ -27,6 +28,9 @@ def _route_forward(hidden, router_weight, router_bias, score_correction_bias, to
     instead of the top-k selection (the weights are the scores gathered there, normalised and scaled as usual).
     logits given: the router GEMM's output (then the state keeps hidden uncast: route_backward wants it cast to
     router_dtype, which the caller does when it needs it). weights_dtype: the weights' dtype (None: the logits')."""
+    # which fp32 operands hold bf16 values (split_mm takes them as one part)
+    exact = dict(weight_exact=router_weight.dtype == torch.bfloat16, hidden_exact=hidden.dtype == torch.bfloat16,
+                 hidden_dtype=hidden.dtype)
     if router_dtype is not None:
         router_weight = router_weight.to(router_dtype)
         router_bias = router_bias.to(router_dtype) if router_bias is not None else None
@@ -63,7 +67,7 @@ def _route_forward(hidden, router_weight, router_bias, score_correction_bias, to
     scaled = scoring == "sigmoid" or routed_scaling_factor != 1.0
     weights = normed * routed_scaling_factor if scaled else normed
     state = dict(hidden=hidden, router_weight=router_weight, scores=scores, normed=normed, denominator=denominator,
-                 scaled=scaled)
+                 scaled=scaled, **exact)
     return logits, ids, weights.to(weights_dtype or logits.dtype), state
 
 
@@ -84,9 +88,10 @@ def route_backward(d_weights, d_logits_out, routed, router_weight, router_bias, 
     [T, H]) given: the router's part is added into it in place (the same sum, without an fp32 temporary)."""
     d_logits = _router_d_logits(d_weights, d_logits_out, routed, scoring, routed_scaling_factor)
     st = routed[3]
-    part = d_logits @ st["router_weight"]
+    part = fp32_mm(d_logits, st["router_weight"], b_exact=st["weight_exact"], rounded_to=st["hidden_dtype"])
     d_hidden = part.float() if d_hidden is None else d_hidden.add_(part)
-    return (d_hidden, *_router_param_grads(d_logits, st["hidden"], router_weight, router_bias))
+    return (d_hidden, *_router_param_grads(d_logits, st["hidden"], router_weight, router_bias,
+                                           hidden_exact=st["hidden_exact"]))
 
 
 def _router_d_logits(d_weights, d_logits_out, routed, scoring, routed_scaling_factor):
@@ -110,10 +115,14 @@ def _router_d_logits(d_weights, d_logits_out, routed, scoring, routed_scaling_fa
 
 
 def _router_param_grads(d_logits, hidden, router_weight, router_bias, need_weight: bool = True,
-                        need_bias: bool = True):
-    """(d_router_weight, d_router_bias) from the logits gradient and the router's input (cast as it ran); None for
-    a gradient not needed (a frozen parameter) and for d_router_bias without a router bias."""
-    d_router_weight = (d_logits.transpose(0, 1) @ hidden).to(router_weight.dtype) if need_weight else None
+                        need_bias: bool = True, hidden_exact: bool = False):
+    """(d_router_weight, d_router_bias) from the logits gradient and the router's input (cast as it ran, or in bf16
+    where split_mm takes it: hidden_exact says its values are bf16's); None for a gradient not needed (a frozen
+    parameter) and for d_router_bias without a router bias."""
+    d_router_weight = None
+    if need_weight:
+        d_router_weight = fp32_mm(d_logits.transpose(0, 1), hidden, b_exact=hidden_exact,
+                                  rounded_to=router_weight.dtype).to(router_weight.dtype)
     d_router_bias = (d_logits.float().sum(0).to(router_bias.dtype)
                      if router_bias is not None and need_bias else None)
     return d_router_weight, d_router_bias
@@ -341,16 +350,18 @@ def _experts_backward_saved_(grad_out, hidden, rows, w_rows, h, gate_up_proj, do
     return d_h, d_w_rows, d_gate_up, d_down
 
 
-def _fold_saved(d_x, row, num_tokens, top_k, h, d_logits=None, router_weight=None):
+def _fold_saved(d_x, row, num_tokens, top_k, h, d_logits=None, router_weight=None, weight_exact=False,
+                hidden_dtype=None):
     """d_hidden fp32 [T, H]: the rows d_x folded (`_fold`), plus the router's part d_logits @ router_weight (in the
     logits dtype, added in fp32 to each token's sum: what route_backward's in-place add computes) if d_logits is
-    given. Both go into the storage of h (the saved up rows, dead once d_x is made) where they fit."""
+    given. Both go into the storage of h (the saved up rows, dead once d_x is made) where they fit. hidden_dtype:
+    what the caller rounds d_hidden to (split_mm's condition)."""
     shape = (num_tokens, d_x.shape[1])
     out = _storage_as(h, shape, torch.float32)
     part = None
     if d_logits is not None:
         scratch = _storage_as(h, shape, d_logits.dtype, offset=math.prod(shape) * 4) if out is not None else None
-        part = torch.mm(d_logits, router_weight, out=scratch) if scratch is not None else d_logits @ router_weight
+        part = fp32_mm(d_logits, router_weight, b_exact=weight_exact, out=scratch, rounded_to=hidden_dtype)
     return _fold(d_x, row, num_tokens, top_k, torch.float32, out=out, add=part)
 
 

@@ -56,6 +56,17 @@ def test_split_mm_as_accurate_as_fp32(m, k, n, one_gemm, b_exact):
         torch.testing.assert_close(split_mm.split_mm(a, b.bfloat16(), mm=mm), out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("room", [1 << 20, 1000])
+def test_split_mm_operands_in_a_workspace(room):
+    """The side-by-side operands and the residual go into the workspace given (dead memory of the caller) where
+    they fit, else into new tensors: the same result either way."""
+    a, b = _operands(512, 16, 384)
+    workspace = torch.zeros(room, dtype=torch.uint8)
+    out = split_mm.split_mm(a, b, workspace=workspace)
+    torch.testing.assert_close(out, split_mm.split_mm(a, b), rtol=0, atol=0)
+    assert bool(workspace.any()) == (room > 1000)
+
+
 def test_hi_part_alone_is_not_enough():
     """The check above can fail: one bf16 part per operand (what a plain bf16 matmul computes) is far off."""
     a, b = _operands(64, 256, 32)

@@ -360,8 +360,14 @@ def _fold_saved(d_x, row, num_tokens, top_k, h, d_logits=None, router_weight=Non
     out = _storage_as(h, shape, torch.float32)
     part = None
     if d_logits is not None:
-        scratch = _storage_as(h, shape, d_logits.dtype, offset=math.prod(shape) * 4) if out is not None else None
-        part = fp32_mm(d_logits, router_weight, b_exact=weight_exact, out=scratch, rounded_to=hidden_dtype)
+        scratch = spare = None
+        if out is not None:
+            scratch = _storage_as(h, shape, d_logits.dtype, offset=math.prod(shape) * 4)
+            end = math.prod(shape) * (4 + d_logits.dtype.itemsize)
+            free = h.numel() * h.element_size() - end
+            spare = _storage_as(h, (free,), torch.uint8, offset=end) if scratch is not None and free > 0 else None
+        part = fp32_mm(d_logits, router_weight, b_exact=weight_exact, out=scratch, rounded_to=hidden_dtype,
+                       workspace=spare)
     return _fold(d_x, row, num_tokens, top_k, torch.float32, out=out, add=part)
 
 

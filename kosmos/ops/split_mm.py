@@ -33,21 +33,65 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None
     return torch.mm(a.float(), b.float(), out=out)
 
 
+class _Carver:
+    """Tensors cut from a byte workspace in turn (256-byte aligned), or allocated when it is used up / not given."""
+
+    def __init__(self, workspace: Optional[torch.Tensor], device):
+        self.workspace, self.offset, self.device = workspace, 0, device
+
+    def empty(self, shape, dtype) -> torch.Tensor:
+        nbytes = dtype.itemsize * shape[0] * shape[1]
+        ws = self.workspace
+        if ws is not None and self.offset + nbytes <= ws.numel():
+            t = ws[self.offset : self.offset + nbytes].view(dtype).view(shape)
+            self.offset += -(-nbytes // 256) * 256
+            return t
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+
+def _write_parts(t: torch.Tensor, dests: list, carve: _Carver) -> None:
+    """t's bf16 parts into dests ([hi] or [hi, mid, lo], bf16 views), with one fp32 residual buffer."""
+    dests[0].copy_(t)
+    if len(dests) > 1:
+        rest = carve.empty(tuple(t.shape), torch.float32)
+        torch.sub(t, dests[0], out=rest)
+        dests[1].copy_(rest)
+        rest.sub_(dests[1])
+        dests[2].copy_(rest)
+
+
 def split_mm(a: torch.Tensor, b: torch.Tensor, a_exact: bool = False, b_exact: bool = False,
-             out: Optional[torch.Tensor] = None, mm: Callable = _mm_f32) -> torch.Tensor:
+             out: Optional[torch.Tensor] = None, mm: Callable = _mm_f32,
+             workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 a [M, K] @ b [K, N] as bf16 part products (parts i of a, j of b with i + j <= 2: hi*hi, hi*mid, mid*hi,
     hi*lo, lo*hi, mid*mid), into `out` if given. The parts go side by side along K in one GEMM when that copies less
-    than summing separate products' [M, N] fp32 outputs would move (a large output), else one GEMM per part pair."""
-    pa, pb = bf16_parts(a, a_exact), bf16_parts(b, b_exact)
-    pairs = [(x, y) for i, x in enumerate(pa) for j, y in enumerate(pb) if i + j <= 2]
+    than summing separate products' [M, N] fp32 outputs would move (a large output), else one GEMM per part pair.
+    workspace (uint8, optional): memory the side-by-side operands and their residual may use (so they need no new
+    allocation where the caller has dead memory at hand)."""
+    na = 1 if a_exact or a.dtype == torch.bfloat16 else 3
+    nb = 1 if b_exact or b.dtype == torch.bfloat16 else 3
+    pairs = [(i, j) for i in range(na) for j in range(nb) if i + j <= 2]
     (m, k), n = a.shape, b.shape[1]
     concat_bytes = 2 * len(pairs) * (m * k + k * n)
     separate_bytes = 12 * (len(pairs) - 1) * m * n
     if len(pairs) > 1 and concat_bytes < separate_bytes:
-        return mm(torch.cat([x for x, _ in pairs], dim=1), torch.cat([y for _, y in pairs], dim=0), out=out)
-    result = mm(*pairs[0], out=out)
-    for x, y in pairs[1:]:
-        result.add_(mm(x, y))
+        carve = _Carver(workspace, a.device)
+        a_cat = carve.empty((m, len(pairs) * k), torch.bfloat16)
+        b_cat = carve.empty((len(pairs) * k, n), torch.bfloat16)
+        a_blocks = [a_cat[:, p * k : (p + 1) * k] for p in range(len(pairs))]
+        b_blocks = [b_cat[p * k : (p + 1) * k] for p in range(len(pairs))]
+        for t, blocks, side in ((a, a_blocks, 0), (b, b_blocks, 1)):
+            count = na if side == 0 else nb
+            first = [[p for p, pair in enumerate(pairs) if pair[side] == i][0] for i in range(count)]
+            _write_parts(t, [blocks[p] for p in first], carve)
+            for p, pair in enumerate(pairs):
+                if p not in first:
+                    blocks[p].copy_(blocks[first[pair[side]]])
+        return mm(a_cat, b_cat, out=out)
+    pa, pb = bf16_parts(a, a_exact), bf16_parts(b, b_exact)
+    result = mm(pa[pairs[0][0]], pb[pairs[0][1]], out=out)
+    for i, j in pairs[1:]:
+        result.add_(mm(pa[i], pb[j]))
     return result
 
 
@@ -63,10 +107,11 @@ def supported(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def fp32_mm(a: torch.Tensor, b: torch.Tensor, a_exact: bool = False, b_exact: bool = False,
-            out: Optional[torch.Tensor] = None, rounded_to: Optional[torch.dtype] = None) -> torch.Tensor:
+            out: Optional[torch.Tensor] = None, rounded_to: Optional[torch.dtype] = None,
+            workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
     """a @ b (into out if given; fp32 if either is): split_mm where `supported` and the caller rounds the result to
     `rounded_to`, a 16-bit dtype, next; else torch's (in the promoted dtype)."""
     if rounded_to is not None and rounded_to.itemsize == 2 and supported(a, b):
-        return split_mm(a, b, a_exact, b_exact, out=out)
+        return split_mm(a, b, a_exact, b_exact, out=out, workspace=workspace)
     dtype = torch.promote_types(a.dtype, b.dtype)
     return torch.mm(a.to(dtype), b.to(dtype), out=out)

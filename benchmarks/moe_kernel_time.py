@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--tag", default="", help="a label for the printed lines")
     p.add_argument("--save-up", action="store_true", help="the training forward: with the saved up rows")
+    p.add_argument("--check", action="store_true", help="also compare each variant's outputs with the first's, bit for bit")
     args = p.parse_args()
     (hidden, rw, rb, corr, gu, down, k), kw = layer_inputs(args.layer, args.T)
     base = moe.forward_configs(hidden, gu, k)[0]
@@ -41,6 +42,14 @@ def main() -> None:
                                                  save_up=args.save_up)
         fns[v]()  # compile
     torch.cuda.synchronize()
+    if args.check:
+        first = fns[variants[0]]()
+        for v in variants[1:]:
+            got = fns[v]()
+            same = all(torch.equal(a, b) for a, b in zip(first, got))
+            diff = max(float((a.float() - b.float()).abs().max()) if a.numel() else 0.0 for a, b in zip(first, got))
+            print(f"CHECK {args.tag} {args.layer} T={args.T} {v} vs {variants[0]}: "
+                  f"{'same bits' if same else f'DIFFERENT (max abs diff {diff:.3g})'}", flush=True)
     heat(fns[variants[0]], 2.0)
     for r in range(args.rounds):
         for v in variants:

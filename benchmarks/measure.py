@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -108,9 +109,10 @@ def rel_err(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
-def speedup_plot(path: str, labels, curves: dict, baseline: str) -> None:
+def speedup_plot(path: str, labels, curves: dict, baseline: str, target: Optional[float] = None) -> None:
     """Two panels, forward and forward+backward, of speed-up curves over `baseline`: curves["fwd" | "fwdbwd"]
-    maps a name to its values, one per label (NaN where missing); a gray line at 1. Needs matplotlib."""
+    maps a name to its values, one per label (NaN where missing); a gray line at 1, a dashed one at `target` if
+    given. Needs matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,8 +123,10 @@ def speedup_plot(path: str, labels, curves: dict, baseline: str) -> None:
         for name, ys in curves[kind].items():
             ax.plot(labels, ys, marker="o", label=name)
         ax.axhline(1.0, color="gray", lw=0.5)
+        if target is not None:
+            ax.axhline(target, color="gray", lw=0.8, ls="--", label=f"{target}x target")
         ax.set_title(f"{kind}: speed-up over {baseline}")
-        ax.tick_params(axis="x", labelsize=6)
+        ax.tick_params(axis="x", labelsize=6, labelrotation=45)
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

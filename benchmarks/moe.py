@@ -221,7 +221,7 @@ def plot(results, path: str) -> None:
                      for name in ("hf_eager", "kosmos_ref", "kosmos_default", "kosmos_fused", "kosmos_fwd", "dense")
                      if f"{kind}_{name}" in results[0]}
               for kind in ("fwd", "fwdbwd")}
-    speedup_plot(path, [f"{r['layer']}\nT={r['T']}" for r in results], curves, "Inductor")
+    speedup_plot(path, [f"{r['layer']}\nT={r['T']}" for r in results], curves, "Inductor", target=1.2)
 
 
 def main(argv=None) -> int:

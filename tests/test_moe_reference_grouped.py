@@ -614,3 +614,41 @@ def test_grouped_rows_mm_is_opt_in_and_reports_why_not():
         (key,) = [k for k in kosmos.report().runtime if k[0] == "grouped_mm"]
         assert key[1] == "torch._grouped_mm"
         assert any(why in key[2] for why in ("sm_90", "interpreter", "gluon")), key
+
+
+def test_grouped_rows_wgrad_reports_why_torch_runs(monkeypatch):
+    """The weight gradients' kernel choice: KOSMOS_GROUPED_WGRAD=torch, operands the kernel cannot take (here: no
+    sm_90 GPU, or fp32) and, on auto, gradients below WIDE_WGRAD all run torch._grouped_mm with the reason
+    recorded; an unknown mode is an error."""
+    import kosmos
+    from kosmos.kernels import gemm_ws_host
+    from kosmos.kernels.moe_ops import WIDE_WGRAD, grouped_rows_wgrad
+
+    a = torch.randn(10, 128, dtype=torch.bfloat16)
+    b = torch.randn(10, 32, dtype=torch.bfloat16)
+    ends = torch.tensor([4, 10], dtype=torch.int32)
+
+    def reasons():
+        return [k for k in kosmos.report().runtime if k[0] == "grouped_wgrad"]
+
+    kosmos.reset_report()
+    monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "torch")
+    assert grouped_rows_wgrad(a, b, ends) is None
+    assert reasons() == [("grouped_wgrad", "torch._grouped_mm", "KOSMOS_GROUPED_WGRAD=torch")]
+    kosmos.reset_report()
+    monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "kosmos")
+    assert grouped_rows_wgrad(a, b, ends) is None
+    (key,) = reasons()
+    assert any(why in key[2] for why in ("sm_90", "interpreter", "gluon")), key
+    assert "bf16 / fp16" in gemm_ws_host.grouped_wgrad_unsupported(a.float(), b.float())
+    assert "multiple of 128" in gemm_ws_host.grouped_wgrad_unsupported(a[:, :96], b)
+    kosmos.reset_report()
+    monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "auto")
+    monkeypatch.setattr(gemm_ws_host, "grouped_wgrad_unsupported", lambda a, b: None)
+    assert a.shape[1] * b.shape[1] < WIDE_WGRAD
+    assert grouped_rows_wgrad(a, b, ends) is None
+    (key,) = reasons()
+    assert key[1] == "torch._grouped_mm" and "128 x 32 gradient per expert" in key[2], key
+    monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "cutlass")
+    with pytest.raises(ValueError, match="KOSMOS_GROUPED_WGRAD"):
+        grouped_rows_wgrad(a, b, ends)

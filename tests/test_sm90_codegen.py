@@ -90,6 +90,27 @@ def test_grouped_warp_specialized(b_trans, m_fastest):
     assert k.metadata.shared <= 227 * 1024
 
 
+@pytest.mark.parametrize("config", ["128x256", "128x128"])
+def test_grouped_wgrad_warp_specialized(config):
+    from kosmos.kernels import gemm_ws_host, grouped_wgrad_ws
+
+    if gemm_ws_host.gluon_missing():
+        pytest.skip(gemm_ws_host.gluon_missing())
+    bm, bn, bk, stages, warps = gemm_ws_host.WGRAD_CONFIGS[config]
+    k = compile_sm90_gluon(grouped_wgrad_ws.grouped_wgrad_kernel,
+                           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, PRODUCER_REGS=40,
+                                CONSUMER_WARPS=warps),
+                           dict(ends_ptr="i32"),
+                           dict(a_desc=(torch.bfloat16, (bk, bm)), b_desc=(torch.bfloat16, (bk, bn)),
+                                c_desc=(torch.bfloat16, (bm, bn))),
+                           num_warps=warps)
+    rep = _report(k)
+    assert rep["spill_stores"] == 0, rep["text"]
+    ptx = k.asm["ptx"]
+    assert "setmaxnreg.dec" in ptx and "wgmma.mma_async" in ptx
+    assert k.metadata.shared <= 227 * 1024
+
+
 @pytest.mark.parametrize("weights,remap", [(1, False), (3, False), (1, True)], ids=["one_weight", "qkv", "remap"])
 def test_ag_gemm(weights, remap):
     from kosmos.kernels import ag_gemm

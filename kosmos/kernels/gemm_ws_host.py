@@ -170,3 +170,68 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest, PRODUCER_REGS=40,
         CONSUMER_WARPS=8, num_warps=8)
     return out
+
+
+# ------------------------------------------------------------------------------- ragged K (grouped_wgrad_ws.py)
+
+WGRAD_CONFIGS = {"128x256": (128, 256, 64, 3, 8), "128x128": (128, 128, 64, 4, 4)}  # BM, BN, BK, stages, warps
+
+
+def grouped_wgrad_unsupported(a: torch.Tensor, b: torch.Tensor, block_m: int = 128) -> Optional[str]:
+    """Why grouped_wgrad_kernel cannot compute out[e] = A_e^T @ B_e for A [S, M] and B [S, N], or None."""
+    if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
+        return f"dtypes {a.dtype} x {b.dtype} (bf16 / fp16, the same for both)"
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
+        return f"shapes {tuple(a.shape)} x {tuple(b.shape)} (A [S, M], B [S, N])"
+    M, N = a.shape[1], b.shape[1]
+    if M % block_m:
+        return f"M = {M} not a multiple of {block_m} (a tile would reach the next group's rows of out)"
+    if (a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) % 8 or b.stride(0) % 8 or a.data_ptr() % 16
+            or b.data_ptr() % 16 or N % 8):
+        return "A or B not row-major, or a row or pointer not 16-byte aligned (TMA)"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "the Triton interpreter does not run Gluon kernels"
+    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) != (9, 0):
+        return "wgmma needs an sm_90 GPU"
+    return gluon_missing()
+
+
+def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,
+                  programs: Optional[int] = None, config: str = "128x256") -> torch.Tensor:
+    """[E, M, N]: out[e] = A[rows of group e]^T @ B[rows of group e] (rows [ends[e-1], ends[e]) of A [S, M] and
+    B [S, N]); zeros for a group without rows. ends: int32 [E] on A's device, non-decreasing, ends[-1] <= S (not
+    checked: no host sync). Raises ValueError where grouped_wgrad_unsupported says why."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kosmos.kernels.gemm import num_sms
+    from kosmos.kernels.grouped_wgrad_ws import grouped_wgrad_kernel
+
+    BM, BN, BK, stages, warps = WGRAD_CONFIGS[config]
+    reason = grouped_wgrad_unsupported(a, b, BM)
+    if reason is not None:
+        raise ValueError(f"kosmos grouped_wgrad: {reason}")
+    (S, M), N, E = a.shape, b.shape[1], ends.numel()
+    if ends.dtype != torch.int32 or ends.dim() != 1 or ends.device != a.device:
+        raise ValueError(f"kosmos grouped_wgrad: ends must be int32 [E] on {a.device}, not {ends.dtype} "
+                         f"{tuple(ends.shape)} on {ends.device}")
+    if out is None:
+        out = a.new_empty(E, M, N)
+    elif out.shape != (E, M, N) or out.dtype != a.dtype or not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError(f"kosmos grouped_wgrad: out {tuple(out.shape)} {out.dtype} is not a contiguous 16-byte "
+                         f"aligned [{E}, {M}, {N}] {a.dtype}")
+    if E == 0 or M == 0 or N == 0:
+        return out
+    el = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
+
+    def desc(t, shape, lead, block):
+        return TensorDescriptor(t, shape, [lead, 1], block, gl.NVMMASharedLayout.get_default_for(block, el))
+
+    a_desc = desc(a, [S, M], a.stride(0), [BK, BM])
+    b_desc = desc(b, [S, N], b.stride(0), [BK, BN])
+    c_desc = desc(out.view(E * M, N), [E * M, N], N, [BM, BN])
+    tiles = E * (M // BM) * -(-N // BN)
+    grouped_wgrad_kernel[(min(tiles, programs or num_sms(a.device)),)](
+        a_desc, b_desc, c_desc, ends.contiguous(), E, M, N, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=stages,
+        PRODUCER_REGS=40, CONSUMER_WARPS=warps, num_warps=warps)
+    return out

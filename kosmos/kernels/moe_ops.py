@@ -393,6 +393,37 @@ def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Opt
     return gemm_ws_host.launch_grouped_mm(a, b, ends)
 
 
+# Per-expert weight gradients of at least this many elements take kosmos's ragged-K kernel by default. Measured on
+# the H200 (RESULTS.md, thirtieth session): DeepSeek-V3's layer (4096 x 7168 and 7168 x 2048 gradients) 1.7% / 0.1%
+# / 1.1% faster fwd+bwd at T = 4096 / 8192 / 16384; on Qwen3-235B's (at most 3072 x 4096) the kernel alone is
+# 0.86-1.09x torch._grouped_mm's, so torch's stays there.
+WIDE_WGRAD = 14_000_000
+
+
+def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:
+    """The reference's weight gradients (ragged-K grouped matmul [E, M, N], out[e] = a_e^T @ b_e, zeros for an
+    expert without rows) by kosmos's kernel (gemm_ws_host.grouped_wgrad) when it takes the operands and pays off,
+    else None (the caller runs torch._grouped_mm). KOSMOS_GROUPED_WGRAD: auto (default: gradients of WIDE_WGRAD
+    elements or more), kosmos (whenever it takes them), torch (never). The report records which ran and why."""
+    mode = os.environ.get("KOSMOS_GROUPED_WGRAD", "auto")
+    if mode not in ("auto", "kosmos", "torch"):
+        raise ValueError(f"KOSMOS_GROUPED_WGRAD={mode!r}: expected auto, kosmos or torch")
+    if mode == "torch":
+        record_run("grouped_wgrad", "torch._grouped_mm", "KOSMOS_GROUPED_WGRAD=torch")
+        return None
+    from kosmos.kernels import gemm_ws_host
+
+    reason = gemm_ws_host.grouped_wgrad_unsupported(a, b)
+    if reason is None and mode == "auto" and a.shape[1] * b.shape[1] < WIDE_WGRAD:
+        reason = (f"a {a.shape[1]} x {b.shape[1]} gradient per expert, where torch's kernel is as fast (kosmos's "
+                  f"from {WIDE_WGRAD} elements; KOSMOS_GROUPED_WGRAD=kosmos for every size)")
+    if reason is not None:
+        record_run("grouped_wgrad", "torch._grouped_mm", reason)
+        return None
+    record_run("grouped_wgrad", "kosmos grouped_wgrad_ws", "supported")
+    return gemm_ws_host.grouped_wgrad(a, b, ends)
+
+
 def register() -> None:
     from kosmos.kernels import moe_pairs, moe_rows
 
@@ -404,3 +435,4 @@ def register() -> None:
     dispatch.register_row_kernel("moe_gather_rows", moe_rows.gather_rows)
     dispatch.register_row_kernel("moe_sorted_pairs", moe_pairs.sorted_pairs)
     dispatch.register_row_kernel("moe_grouped_mm", grouped_rows_mm)
+    dispatch.register_row_kernel("moe_grouped_wgrad", grouped_rows_wgrad)

@@ -30,17 +30,22 @@ def gluon_missing() -> Optional[str]:
     return None
 
 
+def cannot_run_here(a: torch.Tensor) -> Optional[str]:
+    """Why a Gluon sm_90 kernel cannot run on a's device in this process, or None."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "the Triton interpreter does not run Gluon kernels"
+    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) != (9, 0):
+        return "wgmma needs an sm_90 GPU"
+    return gluon_missing()
+
+
 def unsupported(a: torch.Tensor, lay) -> Optional[str]:
     """Why the warp-specialized kernel cannot take A (with the call's GemmLayout), or None."""
     if a.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {a.dtype} (bf16 / fp16 only)"
     if lay.a_trans:
         return "A is a transposed view (the kernel loads [BLOCK_M, BLOCK_K] blocks of a row-major A)"
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "the Triton interpreter does not run Gluon kernels"
-    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) != (9, 0):
-        return "wgmma needs an sm_90 GPU"
-    return gluon_missing()
+    return cannot_run_here(a)
 
 
 def launch(a, b, bias, c, cfg, lay, plan, ws, cnt, programs: int, **overrides) -> None:
@@ -115,11 +120,7 @@ def grouped_unsupported(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
     if not b_trans and K % GROUPED_BLOCK[2]:
         return (f"K = {K} not a multiple of {GROUPED_BLOCK[2]} with N contiguous B (a K block would reach the next "
                 "group)")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "the Triton interpreter does not run Gluon kernels"
-    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) != (9, 0):
-        return "wgmma needs an sm_90 GPU"
-    return gluon_missing()
+    return cannot_run_here(a)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,
@@ -189,11 +190,7 @@ def grouped_wgrad_unsupported(a: torch.Tensor, b: torch.Tensor, block_m: int = 1
     if (a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) % 8 or b.stride(0) % 8 or a.data_ptr() % 16
             or b.data_ptr() % 16 or N % 8):
         return "A or B not row-major, or a row or pointer not 16-byte aligned (TMA)"
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "the Triton interpreter does not run Gluon kernels"
-    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) != (9, 0):
-        return "wgmma needs an sm_90 GPU"
-    return gluon_missing()
+    return cannot_run_here(a)
 
 
 def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,

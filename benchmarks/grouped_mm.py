@@ -51,6 +51,22 @@ def cases(H: int, I: int, E: int, S: int, dev):
             "d_act (bwd, N-contig B)": (x, down), "d_x (bwd, N-contig B)": (d_h, gate_up)}
 
 
+def wgrad_cases(H: int, I: int, S: int, dev):
+    """name -> (A [S, M], B [S, N]) of the two weight gradients: d_gate_up = d_h^T x, d_down = g^T act."""
+    x = torch.randn(S, H, device=dev, dtype=torch.bfloat16)
+    d_h = torch.randn(S, 2 * I, device=dev, dtype=torch.bfloat16)
+    g = torch.randn(S, H, device=dev, dtype=torch.bfloat16)
+    act = torch.randn(S, I, device=dev, dtype=torch.bfloat16)
+    return {"d_gate_up (wgrad)": (d_h, x), "d_down (wgrad)": (g, act)}
+
+
+def wgrad_impls(a, b, ends, out):
+    from kosmos.kernels.gemm_ws_host import grouped_wgrad
+
+    return {"torch": lambda: torch._grouped_mm(a.t(), b, offs=ends),
+            "kosmos": lambda: grouped_wgrad(a, b, ends, out=out), "write": lambda: out.zero_()}
+
+
 def main() -> int:
     from kosmos.kernels.gemm_ws_host import grouped_mm
 
@@ -62,8 +78,11 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--impls", default="torch,kosmos,kosmos_m",
                    help="torch._grouped_mm, kosmos's kernel with n-fastest / m-fastest tiles in a group")
+    p.add_argument("--wgrad", action="store_true", help="the weight gradients (impls torch, kosmos, write)")
     p.add_argument("--json", default="")
     args = p.parse_args()
+    if args.wgrad and args.impls == p.get_default("impls"):
+        args.impls = "torch,kosmos,write"
     gen = torch.Generator().manual_seed(0)
     rows = []
     for layer in args.layers.split(","):
@@ -71,17 +90,23 @@ def main() -> int:
         ends_cpu = routed_ends(args.T, E, args.k, gen)
         S = int(ends_cpu[-1])
         ends = ends_cpu.cuda()
-        for name, (a, b) in cases(H, I, E, S, "cuda").items():
-            K, N = b.shape[1], b.shape[2]
-            ref = torch._grouped_mm(a, b, offs=ends)
-            out = torch.empty_like(ref)
-            impls = {"torch": lambda: torch._grouped_mm(a, b, offs=ends),
-                     "kosmos": lambda: grouped_mm(a, b, ends, out=out),
-                     "kosmos_m": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True)}
+        for name, (a, b) in (wgrad_cases(H, I, S, "cuda") if args.wgrad else cases(H, I, E, S, "cuda")).items():
+            if args.wgrad:  # the sum runs over the rows: K is a group's rows, (M, N) the gradient's shape
+                K, N = a.shape[1], b.shape[1]
+                ref = torch._grouped_mm(a.t(), b, offs=ends)
+                out = torch.empty_like(ref)
+                impls = wgrad_impls(a, b, ends, out)
+            else:
+                K, N = b.shape[1], b.shape[2]
+                ref = torch._grouped_mm(a, b, offs=ends)
+                out = torch.empty_like(ref)
+                impls = {"torch": lambda: torch._grouped_mm(a, b, offs=ends),
+                         "kosmos": lambda: grouped_mm(a, b, ends, out=out),
+                         "kosmos_m": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True)}
             impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
             r = {"layer": layer, "T": args.T, "gemm": name, "S": S, "K": K, "N": N, "rounds": {}}
             for impl, fn in impls.items():
-                if impl != "torch":
+                if impl not in ("torch", "write"):
                     fn()
                     r[f"rel_err_{impl}"] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             t = {impl: [] for impl in impls}

@@ -98,3 +98,27 @@ def test_moe_backward_weight_gradients_by_either_kernel(mode, monkeypatch):
     assert torch.equal(d_gate_up, ref_gate_up) and torch.equal(d_down, ref_down)
     impls = {key[1] for key in kosmos.report().runtime if key[0] == "grouped_wgrad"}
     assert ("kosmos grouped_wgrad_ws" in impls) == (mode == "kosmos")
+
+
+def test_moe_layer_gradients_by_either_kernel(monkeypatch):
+    """kosmos::moe_layer's default backward (the forward's saved up rows, DeepSeek-V3-style sigmoid routing) gives
+    bit-equal gradients with the weight gradients on kosmos's kernel and on torch's."""
+    import kosmos  # noqa: F401  (registers the ops)
+
+    torch.manual_seed(0)
+    T, H, I, E, k = 1024, 256, 128, 16, 4
+    dev, bf = "cuda", torch.bfloat16
+    params = dict(hidden=torch.randn(T, H, device=dev, dtype=bf), router=torch.randn(E, H, device=dev) * 0.05,
+                  gate_up=torch.randn(E, 2 * I, H, device=dev, dtype=bf) * 0.05,
+                  down=torch.randn(E, H, I, device=dev, dtype=bf) * 0.05)
+    grad_out = torch.randn(T, H, device=dev, dtype=bf)
+    grads = {}
+    for mode in ("torch", "kosmos"):
+        monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", mode)
+        leaves = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+        out = torch.ops.kosmos.moe_layer(leaves["hidden"], leaves["router"], None, None, leaves["gate_up"],
+                                         leaves["down"], k, "sigmoid", True, 1, 1, 2.5, torch.float32)[0]
+        out.backward(grad_out)
+        grads[mode] = [leaves[n].grad for n in params]
+    for name, a, b in zip(params, grads["kosmos"], grads["torch"]):
+        assert torch.equal(a, b), name

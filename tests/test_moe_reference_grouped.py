@@ -367,16 +367,17 @@ def test_gpu_grouped_vs_loop_bf16(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="kosmos's grouped GEMM needs an sm_90 GPU")
-def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch):
-    """KOSMOS_GROUPED_MM=kosmos: the ragged-M grouped matmuls (forward up / down, backward d_act / d_x) run on
-    kosmos's grouped GEMM, the weight gradients stay torch._grouped_mm's, the report says so, and the results are
-    those of torch._grouped_mm everywhere."""
+@pytest.mark.parametrize("mode", ["kosmos", "kosmos_m"])
+def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch, mode):
+    """KOSMOS_GROUPED_MM=kosmos / kosmos_m: the ragged-M grouped matmuls (forward up / down, backward d_act / d_x)
+    run on kosmos's grouped GEMM, the weight gradients (below WIDE_WGRAD here) stay torch._grouped_mm's, the report
+    says so, and the results are those of torch._grouped_mm everywhere."""
     import kosmos
 
     case = _qwen3_30b_case()
     monkeypatch.delenv("KOSMOS_GROUPED_MM", raising=False)
     want, _ = run(*case)
-    monkeypatch.setenv("KOSMOS_GROUPED_MM", "kosmos")
+    monkeypatch.setenv("KOSMOS_GROUPED_MM", mode)
     calls = []
     real = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -385,7 +386,8 @@ def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch):
     torch.cuda.synchronize()
     assert len(calls) == 2  # the two weight gradients (ragged K)
     runs = kosmos.report().runtime
-    assert runs.get(("grouped_mm", "kosmos grouped_ws", "supported")) == 6, runs
+    impl = "kosmos grouped_ws m-fastest" if mode == "kosmos_m" else "kosmos grouped_ws"
+    assert runs.get(("grouped_mm", impl, "supported")) == 6, runs
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert rel_err(a, b) <= 1e-3, (name, rel_err(a, b))
@@ -609,11 +611,13 @@ def test_grouped_rows_mm_is_opt_in_and_reports_why_not():
         kosmos.reset_report()
         assert grouped_rows_mm(a, b, ends) is None
         assert not [k for k in kosmos.report().runtime if k[0] == "grouped_mm"]
-        mp.setenv("KOSMOS_GROUPED_MM", "kosmos")
-        assert grouped_rows_mm(a, b, ends) is None
-        (key,) = [k for k in kosmos.report().runtime if k[0] == "grouped_mm"]
-        assert key[1] == "torch._grouped_mm"
-        assert any(why in key[2] for why in ("sm_90", "interpreter", "gluon")), key
+        for mode in ("kosmos", "kosmos_m"):
+            kosmos.reset_report()
+            mp.setenv("KOSMOS_GROUPED_MM", mode)
+            assert grouped_rows_mm(a, b, ends) is None
+            (key,) = [k for k in kosmos.report().runtime if k[0] == "grouped_mm"]
+            assert key[1] == "torch._grouped_mm"
+            assert any(why in key[2] for why in ("sm_90", "interpreter", "gluon")), key
 
 
 def test_grouped_rows_wgrad_reports_why_torch_runs(monkeypatch):

@@ -378,10 +378,12 @@ def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, 
 
 def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:
     """The reference's ragged-M grouped matmul by kosmos's grouped GEMM (gemm_ws_host.grouped_mm) when
-    KOSMOS_GROUPED_MM=kosmos and it takes the operands, else None (the caller runs torch._grouped_mm). Opt-in (the
-    same bits as torch._grouped_mm and no faster on an H200, grouped_ws.py): when asked for, the report records
-    which ran and why."""
-    if os.environ.get("KOSMOS_GROUPED_MM", "torch") != "kosmos":
+    KOSMOS_GROUPED_MM=kosmos (a group's column blocks next to each other) or kosmos_m (its m-tiles next to each
+    other: an expert's weight block read once for all its rows while it is in L2) and it takes the operands, else
+    None (the caller runs torch._grouped_mm). Opt-in (the same bits as torch._grouped_mm and no faster on an H200
+    at T = 16384, grouped_ws.py): when asked for, the report records which ran and why."""
+    mode = os.environ.get("KOSMOS_GROUPED_MM", "torch")
+    if mode not in ("kosmos", "kosmos_m"):
         return None
     from kosmos.kernels import gemm_ws_host
 
@@ -389,8 +391,8 @@ def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Opt
     if reason is not None:
         record_run("grouped_mm", "torch._grouped_mm", reason)
         return None
-    record_run("grouped_mm", "kosmos grouped_ws", "supported")
-    return gemm_ws_host.launch_grouped_mm(a, b, ends)
+    record_run("grouped_mm", f"kosmos grouped_ws{' m-fastest' if mode == 'kosmos_m' else ''}", "supported")
+    return gemm_ws_host.launch_grouped_mm(a, b, ends, m_fastest=mode == "kosmos_m")
 
 
 # Per-expert weight gradients of at least this many elements take kosmos's ragged-K kernel by default. Measured on

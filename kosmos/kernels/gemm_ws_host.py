@@ -30,6 +30,16 @@ def gluon_missing() -> Optional[str]:
     return None
 
 
+def _descriptor(t: torch.Tensor, shape, lead: int, block):
+    """A host TMA descriptor over t as [shape] with row stride lead, block `block`, the block's default NVMMA
+    layout (what the Gluon kernels allocate their shared memory with)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    el = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    return TensorDescriptor(t, shape, [lead, 1], block, gl.NVMMASharedLayout.get_default_for(block, el))
+
+
 def cannot_run_here(a: torch.Tensor) -> Optional[str]:
     """Why a Gluon sm_90 kernel cannot run on a's device in this process, or None."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -55,27 +65,21 @@ def launch(a, b, bias, c, cfg, lay, plan, ws, cnt, programs: int, **overrides) -
     overrides: kernel constexprs to replace (register budgets, partition sizes) when probing variants."""
     if (plan.sk_tiles or plan.half_tiles) and cfg.ws_consumers != 1:
         raise ValueError(f"gemm_ws: config {cfg.name}: a tail schedule runs with one consumer")
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from kosmos.kernels.gemm_ws import gemm_ws_kernel
 
-    el = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     M, N, K = lay.M, lay.N, lay.K
 
-    def desc(t, shape, lead, block):
-        return TensorDescriptor(t, shape, [lead, 1], block, gl.NVMMASharedLayout.get_default_for(block, el))
 
-    a_desc = desc(a, [M, K], lay.a_lead, [BM, BK])
+    a_desc = _descriptor(a, [M, K], lay.a_lead, [BM, BK])
     if lay.b_trans:
-        b_desc = desc(b, [N, K], lay.b_lead, [BN, BK])
+        b_desc = _descriptor(b, [N, K], lay.b_lead, [BN, BK])
     else:
-        b_desc = desc(b, [K, N], lay.b_lead, [BK, BN])
-    c_desc = desc(c, [M, N], c.stride(0), [BM, BN])
+        b_desc = _descriptor(b, [K, N], lay.b_lead, [BK, BN])
+    c_desc = _descriptor(c, [M, N], c.stride(0), [BM, BN])
     if plan.half_tiles:
-        a_half_desc = desc(a, [M, K], lay.a_lead, [BM // 2, BK])
-        c_half_desc = desc(c, [M, N], c.stride(0), [BM // 2, BN])
+        a_half_desc = _descriptor(a, [M, K], lay.a_lead, [BM // 2, BK])
+        c_half_desc = _descriptor(c, [M, N], c.stride(0), [BM // 2, BN])
     else:
         a_half_desc, c_half_desc = a_desc, c_desc
     gemm_ws_kernel[(programs,)](a_desc, a_half_desc, b_desc, c_desc, c_half_desc, bias if bias is not None else c,
@@ -138,9 +142,6 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Option
 def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,
                       programs: Optional[int] = None, m_fastest: bool = False) -> torch.Tensor:
     """grouped_mm for operands grouped_unsupported has already accepted (the ends / out checks still run)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from kosmos.kernels.gemm import num_sms
     from kosmos.kernels.grouped_ws import grouped_ws_kernel
 
@@ -154,16 +155,13 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
     elif out.shape != (S, N) or out.dtype != a.dtype or out.stride(1) != 1 or out.stride(0) % 8 or out.data_ptr() % 16:
         raise ValueError(f"kosmos grouped_mm: out {tuple(out.shape)} {out.dtype} strides {out.stride()} is not a "
                          f"16-byte aligned row-major [{S}, {N}] {a.dtype}")
-    el = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
     BM, BN, BK = GROUPED_BLOCK
     b_trans = grouped_b_trans(b)
 
-    def desc(t, shape, lead, block):
-        return TensorDescriptor(t, shape, [lead, 1], block, gl.NVMMASharedLayout.get_default_for(block, el))
 
-    a_desc = desc(a, [S, K], a.stride(0), [BM, BK])
-    b_desc = desc(b, [E * N, K], K, [BN, BK]) if b_trans else desc(b, [E * K, N], N, [BK, BN])
-    c_desc = desc(out, [S, N], out.stride(0), [BM, BN])
+    a_desc = _descriptor(a, [S, K], a.stride(0), [BM, BK])
+    b_desc = _descriptor(b, [E * N, K], K, [BN, BK]) if b_trans else _descriptor(b, [E * K, N], N, [BK, BN])
+    c_desc = _descriptor(out, [S, N], out.stride(0), [BM, BN])
     if S == 0 or E == 0:
         return out
     grouped_ws_kernel[(programs or num_sms(a.device),)](
@@ -198,16 +196,20 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Opt
     """[E, M, N]: out[e] = A[rows of group e]^T @ B[rows of group e] (rows [ends[e-1], ends[e]) of A [S, M] and
     B [S, N]); zeros for a group without rows. ends: int32 [E] on A's device, non-decreasing, ends[-1] <= S (not
     checked: no host sync). Raises ValueError where grouped_wgrad_unsupported says why."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    reason = grouped_wgrad_unsupported(a, b, WGRAD_CONFIGS[config][0])
+    if reason is not None:
+        raise ValueError(f"kosmos grouped_wgrad: {reason}")
+    return launch_grouped_wgrad(a, b, ends, out, programs, config)
 
+
+def launch_grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,
+                         programs: Optional[int] = None, config: str = "128x256") -> torch.Tensor:
+    """grouped_wgrad for operands grouped_wgrad_unsupported has already accepted (the ends / out checks still
+    run)."""
     from kosmos.kernels.gemm import num_sms
     from kosmos.kernels.grouped_wgrad_ws import grouped_wgrad_kernel
 
     BM, BN, BK, stages, warps = WGRAD_CONFIGS[config]
-    reason = grouped_wgrad_unsupported(a, b, BM)
-    if reason is not None:
-        raise ValueError(f"kosmos grouped_wgrad: {reason}")
     (S, M), N, E = a.shape, b.shape[1], ends.numel()
     if ends.dtype != torch.int32 or ends.dim() != 1 or ends.device != a.device:
         raise ValueError(f"kosmos grouped_wgrad: ends must be int32 [E] on {a.device}, not {ends.dtype} "
@@ -219,14 +221,11 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Opt
                          f"aligned [{E}, {M}, {N}] {a.dtype}")
     if E == 0 or M == 0 or N == 0:
         return out
-    el = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
 
-    def desc(t, shape, lead, block):
-        return TensorDescriptor(t, shape, [lead, 1], block, gl.NVMMASharedLayout.get_default_for(block, el))
 
-    a_desc = desc(a, [S, M], a.stride(0), [BK, BM])
-    b_desc = desc(b, [S, N], b.stride(0), [BK, BN])
-    c_desc = desc(out.view(E * M, N), [E * M, N], N, [BM, BN])
+    a_desc = _descriptor(a, [S, M], a.stride(0), [BK, BM])
+    b_desc = _descriptor(b, [S, N], b.stride(0), [BK, BN])
+    c_desc = _descriptor(out.view(E * M, N), [E * M, N], N, [BM, BN])
     tiles = E * (M // BM) * -(-N // BN)
     grouped_wgrad_kernel[(min(tiles, programs or num_sms(a.device)),)](
         a_desc, b_desc, c_desc, ends.contiguous(), E, M, N, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=stages,

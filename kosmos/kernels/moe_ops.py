@@ -423,7 +423,7 @@ def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> 
         record_run("grouped_wgrad", "torch._grouped_mm", reason)
         return None
     record_run("grouped_wgrad", "kosmos grouped_wgrad_ws", "supported")
-    return gemm_ws_host.grouped_wgrad(a, b, ends)
+    return gemm_ws_host.launch_grouped_wgrad(a, b, ends)
 
 
 def register() -> None:

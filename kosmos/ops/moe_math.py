@@ -209,13 +209,12 @@ def _grouped_wgrad(a: torch.Tensor, b: torch.Tensor, groups: _Groups, like: torc
         return _grouped_wgrad(b, a, groups, like.transpose(-2, -1)).transpose(-2, -1)
     if a.stride(-1) == 1 and b.stride(-1) == 1 and _grouped_kernel(a.t(), b, len(groups)):
         kernel = dispatch.row_kernel("moe_grouped_wgrad", a.device)
-        out = kernel(a, b, groups.ends) if kernel is not None else None
-        if out is not None:  # kosmos's kernel writes an empty group's zeros
-            return out if out.stride() == like.stride() else torch.empty_like(like).copy_(out)
-        out = torch._grouped_mm(a.t(), b, groups.ends)  # a^T column-major: the layout that allows empty groups
-        if not groups.padded:  # never trust what a kernel leaves for an empty group
-            for e in [e for e, n in enumerate(groups.sizes()) if n == 0]:
-                out[e].zero_()
+        out = kernel(a, b, groups.ends) if kernel is not None else None  # kosmos's writes an empty group's zeros
+        if out is None:
+            out = torch._grouped_mm(a.t(), b, groups.ends)  # a^T column-major: the layout that allows empty groups
+            if not groups.padded:  # never trust what a kernel leaves for an empty group
+                for e in [e for e, n in enumerate(groups.sizes()) if n == 0]:
+                    out[e].zero_()
     else:
         out = a.new_zeros(len(groups), a.shape[1], b.shape[1])
         start = 0

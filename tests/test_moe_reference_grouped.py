@@ -342,7 +342,7 @@ def _qwen3_30b_case(seed=0):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10),
                     reason="torch._grouped_mm's bf16 kernel needs sm90/sm100")
 def test_gpu_grouped_vs_loop_bf16(monkeypatch):
-    monkeypatch.delenv("KOSMOS_GROUPED_MM", raising=False)  # torch._grouped_mm for every grouped matmul
+    monkeypatch.delenv("KOSMOS_GROUPED_MM", raising=False)  # auto: below WIDE_EXPERT, torch._grouped_mm everywhere
     case = _qwen3_30b_case()
     calls = []
     real = torch._grouped_mm
@@ -370,12 +370,12 @@ def test_gpu_grouped_vs_loop_bf16(monkeypatch):
 @pytest.mark.parametrize("mode", ["kosmos", "kosmos_m"])
 def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch, mode):
     """KOSMOS_GROUPED_MM=kosmos / kosmos_m: the ragged-M grouped matmuls (forward up / down, backward d_act / d_x)
-    run on kosmos's grouped GEMM, the weight gradients (below WIDE_WGRAD here) stay torch._grouped_mm's, the report
+    run on kosmos's grouped GEMM, the weight gradients (below WIDE_EXPERT here) stay torch._grouped_mm's, the report
     says so, and the results are those of torch._grouped_mm everywhere."""
     import kosmos
 
     case = _qwen3_30b_case()
-    monkeypatch.delenv("KOSMOS_GROUPED_MM", raising=False)
+    monkeypatch.setenv("KOSMOS_GROUPED_MM", "torch")
     want, _ = run(*case)
     monkeypatch.setenv("KOSMOS_GROUPED_MM", mode)
     calls = []
@@ -597,36 +597,60 @@ def test_gpu_sorted_pairs_match_torch(monkeypatch, T, k, E):
         assert fused.groups.ends.dtype == torch.int32 and torch.equal(fused.groups.ends, ref.groups.ends)
 
 
-def test_grouped_rows_mm_is_opt_in_and_reports_why_not():
-    """KOSMOS_GROUPED_MM unset: the reference keeps torch._grouped_mm with nothing recorded (the default, not a
-    fallback); set to kosmos on operands the kernel cannot take (here: no sm_90 GPU): torch's, with the reason."""
+def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch):
+    """The ragged-M grouped matmuls' kernel choice: KOSMOS_GROUPED_MM=torch, operands the kernel cannot take (here:
+    no sm_90 GPU) and, on auto (the default), weights below WIDE_EXPERT per expert run torch._grouped_mm with the
+    reason recorded; auto at WIDE_EXPERT and kosmos_m take kosmos's kernel with m-fastest tiles, kosmos with
+    n-fastest ones; an unknown mode is an error."""
     import kosmos
-    from kosmos.kernels.moe_ops import grouped_rows_mm
+    from kosmos.kernels import gemm_ws_host
+    from kosmos.kernels.moe_ops import WIDE_EXPERT, grouped_rows_mm
 
     a = torch.randn(10, 64, dtype=torch.bfloat16)
     b = torch.randn(2, 64, 32, dtype=torch.bfloat16)
     ends = torch.tensor([4, 10], dtype=torch.int32)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("KOSMOS_GROUPED_MM", raising=False)
+
+    def choice(mode, b=b):
+        if mode is None:
+            monkeypatch.delenv("KOSMOS_GROUPED_MM", raising=False)
+        else:
+            monkeypatch.setenv("KOSMOS_GROUPED_MM", mode)
         kosmos.reset_report()
-        assert grouped_rows_mm(a, b, ends) is None
-        assert not [k for k in kosmos.report().runtime if k[0] == "grouped_mm"]
-        for mode in ("kosmos", "kosmos_m"):
-            kosmos.reset_report()
-            mp.setenv("KOSMOS_GROUPED_MM", mode)
-            assert grouped_rows_mm(a, b, ends) is None
-            (key,) = [k for k in kosmos.report().runtime if k[0] == "grouped_mm"]
-            assert key[1] == "torch._grouped_mm"
-            assert any(why in key[2] for why in ("sm_90", "interpreter", "gluon")), key
+        out = grouped_rows_mm(a, b, ends)
+        (key,) = [k for k in kosmos.report().runtime if k[0] == "grouped_mm"]
+        return out, key
+
+    assert choice("torch") == (None, ("grouped_mm", "torch._grouped_mm", "KOSMOS_GROUPED_MM=torch"))
+    for mode in (None, "auto", "kosmos", "kosmos_m"):
+        out, key = choice(mode)
+        assert out is None and key[1] == "torch._grouped_mm", key
+        assert any(why in key[2] for why in ("sm_90", "interpreter", "gluon")), key
+
+    launched = []
+    monkeypatch.setattr(gemm_ws_host, "grouped_unsupported", lambda a, b: None)
+    monkeypatch.setattr(gemm_ws_host, "launch_grouped_mm", lambda a, b, ends, m_fastest: launched.append(m_fastest))
+    qwen3_235b_up = torch.empty(2, 4096, 3072, dtype=torch.bfloat16, device="meta")
+    deepseek_v3_down = torch.empty(2, 7168, 2048, dtype=torch.bfloat16, device="meta")
+    assert 4096 * 3072 < WIDE_EXPERT <= 7168 * 2048
+    for mode in (None, "auto"):
+        out, key = choice(mode, qwen3_235b_up)
+        assert key[1] == "torch._grouped_mm" and "4096 x 3072 weight per expert" in key[2], key
+        assert choice(mode, deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest", "supported")
+    assert choice("kosmos_m", b)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest", "supported")
+    assert choice("kosmos", deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws", "supported")
+    assert launched == [True, True, True, False]
+    monkeypatch.setenv("KOSMOS_GROUPED_MM", "cutlass")
+    with pytest.raises(ValueError, match="KOSMOS_GROUPED_MM"):
+        grouped_rows_mm(a, b, ends)
 
 
 def test_grouped_rows_wgrad_reports_why_torch_runs(monkeypatch):
     """The weight gradients' kernel choice: KOSMOS_GROUPED_WGRAD=torch, operands the kernel cannot take (here: no
-    sm_90 GPU, or fp32) and, on auto, gradients below WIDE_WGRAD all run torch._grouped_mm with the reason
+    sm_90 GPU, or fp32) and, on auto, gradients below WIDE_EXPERT all run torch._grouped_mm with the reason
     recorded; an unknown mode is an error."""
     import kosmos
     from kosmos.kernels import gemm_ws_host
-    from kosmos.kernels.moe_ops import WIDE_WGRAD, grouped_rows_wgrad
+    from kosmos.kernels.moe_ops import WIDE_EXPERT, grouped_rows_wgrad
 
     a = torch.randn(10, 128, dtype=torch.bfloat16)
     b = torch.randn(10, 32, dtype=torch.bfloat16)
@@ -649,7 +673,7 @@ def test_grouped_rows_wgrad_reports_why_torch_runs(monkeypatch):
     kosmos.reset_report()
     monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "auto")
     monkeypatch.setattr(gemm_ws_host, "grouped_wgrad_unsupported", lambda a, b: None)
-    assert a.shape[1] * b.shape[1] < WIDE_WGRAD
+    assert a.shape[1] * b.shape[1] < WIDE_EXPERT
     assert grouped_rows_wgrad(a, b, ends) is None
     (key,) = reasons()
     assert key[1] == "torch._grouped_mm" and "128 x 32 gradient per expert" in key[2], key

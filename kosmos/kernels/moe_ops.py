@@ -376,36 +376,44 @@ def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, 
                         routed_scaling_factor, router_dtype, activation)
 
 
+# Per-expert matrices of at least this many elements take kosmos's grouped kernels by default: an expert's weight
+# in the ragged-M grouped matmuls (with m-fastest tiles), its weight gradient in the ragged-K ones. Measured on the
+# H200 (RESULTS.md, thirtieth and thirty-first sessions): DeepSeek-V3's layer (4096 x 7168 and 7168 x 2048 per
+# expert) is faster fwd+bwd at T = 4096 and no slower at 16384; on Qwen3-235B's (at most 3072 x 4096) torch's
+# CUTLASS kernels are as fast or faster (its weights stay in L2 in any tile order), so they run there.
+WIDE_EXPERT = 14_000_000
+
+
 def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:
-    """The reference's ragged-M grouped matmul by kosmos's grouped GEMM (gemm_ws_host.grouped_mm) when
-    KOSMOS_GROUPED_MM=kosmos (a group's column blocks next to each other) or kosmos_m (its m-tiles next to each
-    other: an expert's weight block read once for all its rows while it is in L2) and it takes the operands, else
-    None (the caller runs torch._grouped_mm). Opt-in (the same bits as torch._grouped_mm and no faster on an H200
-    at T = 16384, grouped_ws.py): when asked for, the report records which ran and why."""
-    mode = os.environ.get("KOSMOS_GROUPED_MM", "torch")
-    if mode not in ("kosmos", "kosmos_m"):
+    """The reference's ragged-M grouped matmul by kosmos's grouped GEMM (gemm_ws_host.grouped_mm) when it takes the
+    operands and pays off, else None (the caller runs torch._grouped_mm). KOSMOS_GROUPED_MM: auto (default: weights
+    of WIDE_EXPERT elements or more per expert, with a group's m-tiles next to each other, so an expert's weight is
+    read once for all its rows while it is in L2), kosmos_m (that order for every size), kosmos (a group's column
+    blocks next to each other), torch (never). The report records which ran and why; the bits are the same."""
+    mode = os.environ.get("KOSMOS_GROUPED_MM", "auto")
+    if mode not in ("auto", "kosmos", "kosmos_m", "torch"):
+        raise ValueError(f"KOSMOS_GROUPED_MM={mode!r}: expected auto, kosmos, kosmos_m or torch")
+    if mode == "torch":
+        record_run("grouped_mm", "torch._grouped_mm", "KOSMOS_GROUPED_MM=torch")
         return None
     from kosmos.kernels import gemm_ws_host
 
     reason = gemm_ws_host.grouped_unsupported(a, b)
+    if reason is None and mode == "auto" and b.shape[1] * b.shape[2] < WIDE_EXPERT:
+        reason = (f"a {b.shape[1]} x {b.shape[2]} weight per expert, where torch's kernel is as fast (kosmos's from "
+                  f"{WIDE_EXPERT} elements; KOSMOS_GROUPED_MM=kosmos_m for every size)")
     if reason is not None:
         record_run("grouped_mm", "torch._grouped_mm", reason)
         return None
-    record_run("grouped_mm", f"kosmos grouped_ws{' m-fastest' if mode == 'kosmos_m' else ''}", "supported")
-    return gemm_ws_host.launch_grouped_mm(a, b, ends, m_fastest=mode == "kosmos_m")
-
-
-# Per-expert weight gradients of at least this many elements take kosmos's ragged-K kernel by default. Measured on
-# the H200 (RESULTS.md, thirtieth session): DeepSeek-V3's layer (4096 x 7168 and 7168 x 2048 gradients) 1.7% / 0.1%
-# / 1.1% faster fwd+bwd at T = 4096 / 8192 / 16384; on Qwen3-235B's (at most 3072 x 4096) the kernel alone is
-# 0.86-1.09x torch._grouped_mm's, so torch's stays there.
-WIDE_WGRAD = 14_000_000
+    m_fastest = mode != "kosmos"
+    record_run("grouped_mm", f"kosmos grouped_ws{' m-fastest' if m_fastest else ''}", "supported")
+    return gemm_ws_host.launch_grouped_mm(a, b, ends, m_fastest=m_fastest)
 
 
 def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:
     """The reference's weight gradients (ragged-K grouped matmul [E, M, N], out[e] = a_e^T @ b_e, zeros for an
     expert without rows) by kosmos's kernel (gemm_ws_host.grouped_wgrad) when it takes the operands and pays off,
-    else None (the caller runs torch._grouped_mm). KOSMOS_GROUPED_WGRAD: auto (default: gradients of WIDE_WGRAD
+    else None (the caller runs torch._grouped_mm). KOSMOS_GROUPED_WGRAD: auto (default: gradients of WIDE_EXPERT
     elements or more), kosmos (whenever it takes them), torch (never). The report records which ran and why."""
     mode = os.environ.get("KOSMOS_GROUPED_WGRAD", "auto")
     if mode not in ("auto", "kosmos", "torch"):
@@ -416,9 +424,9 @@ def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> 
     from kosmos.kernels import gemm_ws_host
 
     reason = gemm_ws_host.grouped_wgrad_unsupported(a, b)
-    if reason is None and mode == "auto" and a.shape[1] * b.shape[1] < WIDE_WGRAD:
+    if reason is None and mode == "auto" and a.shape[1] * b.shape[1] < WIDE_EXPERT:
         reason = (f"a {a.shape[1]} x {b.shape[1]} gradient per expert, where torch's kernel is as fast (kosmos's "
-                  f"from {WIDE_WGRAD} elements; KOSMOS_GROUPED_WGRAD=kosmos for every size)")
+                  f"from {WIDE_EXPERT} elements; KOSMOS_GROUPED_WGRAD=kosmos for every size)")
     if reason is not None:
         record_run("grouped_wgrad", "torch._grouped_mm", reason)
         return None

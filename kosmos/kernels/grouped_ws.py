@@ -10,10 +10,12 @@ its rows into the next group's: its MMAs read those rows but its store is masked
 out by TMA). Rows past the last group are left unwritten.
 
 Measured on the H200 against torch._grouped_mm (CUTLASS, 128x256x64 tiles as here; benchmarks/grouped_mm.py,
-RESULTS.md twenty-second session): the same bits, and the same time on Qwen3-235B's four expert GEMMs (0.97-1.01x)
-but slower on DeepSeek-V3's (0.86-1.00x; with M_FASTEST 0.89-0.99x), so the MoE reference keeps torch's unless
-KOSMOS_GROUPED_MM=kosmos. What an own grouped kernel could add beyond CUTLASS (a gather or an epilogue fused into
-it) is not built.
+RESULTS.md thirty-first session): the same bits. With M_FASTEST (an expert's m-tiles next to each other, so its
+weight, up to 59 MB, is read once for all its rows) DeepSeek-V3's four expert GEMMs at T = 4096 / 8192 / 16384 run
+0.96-1.16x as fast as CUTLASS's (the twenty-second session had 0.89-0.99x at 16384). Qwen3-235B's run slower with it
+than in the default order: their weights stay in L2 either way. So the MoE reference takes this kernel with
+M_FASTEST for experts of moe_ops.WIDE_EXPERT elements or more (KOSMOS_GROUPED_MM). What an own grouped kernel could
+add beyond CUTLASS (a gather or an epilogue fused into it) is not built.
 """
 from __future__ import annotations
 

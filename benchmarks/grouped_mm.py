@@ -61,10 +61,14 @@ def wgrad_cases(H: int, I: int, S: int, dev):
 
 
 def wgrad_impls(a, b, ends, out):
-    from kosmos.kernels.gemm_ws_host import grouped_wgrad
+    """torch, kosmos (its default config), kosmos_<config> for each of WGRAD_CONFIGS, write (out.zero_())."""
+    from kosmos.kernels.gemm_ws_host import WGRAD_CONFIGS, grouped_wgrad
 
-    return {"torch": lambda: torch._grouped_mm(a.t(), b, offs=ends),
-            "kosmos": lambda: grouped_wgrad(a, b, ends, out=out), "write": lambda: out.zero_()}
+    impls = {"torch": lambda: torch._grouped_mm(a.t(), b, offs=ends),
+             "kosmos": lambda: grouped_wgrad(a, b, ends, out=out), "write": lambda: out.zero_()}
+    for config in WGRAD_CONFIGS:
+        impls[f"kosmos_{config}"] = lambda config=config: grouped_wgrad(a, b, ends, out=out, config=config)
+    return impls
 
 
 def main() -> int:
@@ -78,7 +82,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--impls", default="torch,kosmos,kosmos_m",
                    help="torch._grouped_mm, kosmos's kernel with n-fastest / m-fastest tiles in a group")
-    p.add_argument("--wgrad", action="store_true", help="the weight gradients (impls torch, kosmos, write)")
+    p.add_argument("--wgrad", action="store_true",
+                   help="the weight gradients (impls torch, kosmos, write; also kosmos_<config> of WGRAD_CONFIGS)")
     p.add_argument("--json", default="")
     args = p.parse_args()
     if args.wgrad and args.impls == p.get_default("impls"):
@@ -103,6 +108,9 @@ def main() -> int:
                 impls = {"torch": lambda: torch._grouped_mm(a, b, offs=ends),
                          "kosmos": lambda: grouped_mm(a, b, ends, out=out),
                          "kosmos_m": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True)}
+            unknown = set(args.impls.split(",")) - set(impls)
+            if unknown:
+                raise SystemExit(f"--impls: unknown {sorted(unknown)}; here: {sorted(impls)}")
             impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
             r = {"layer": layer, "T": args.T, "gemm": name, "S": S, "K": K, "N": N, "rounds": {}}
             for impl, fn in impls.items():

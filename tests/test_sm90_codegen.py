@@ -90,16 +90,16 @@ def test_grouped_warp_specialized(b_trans, m_fastest):
     assert k.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("config", ["128x256", "128x128"])
+@pytest.mark.parametrize("config", ["128x256", "128x128", "128x128pp", "64x256pp"])
 def test_grouped_wgrad_warp_specialized(config):
     from kosmos.kernels import gemm_ws_host, grouped_wgrad_ws
 
     if gemm_ws_host.gluon_missing():
         pytest.skip(gemm_ws_host.gluon_missing())
-    bm, bn, bk, stages, warps = gemm_ws_host.WGRAD_CONFIGS[config]
+    bm, bn, bk, stages, warps, consumers = gemm_ws_host.WGRAD_CONFIGS[config]
     k = compile_sm90_gluon(grouped_wgrad_ws.grouped_wgrad_kernel,
                            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, PRODUCER_REGS=40,
-                                CONSUMER_WARPS=warps),
+                                CONSUMER_WARPS=warps, NUM_CONSUMERS=consumers, CONSUMER_REGS=232),
                            dict(ends_ptr="i32"),
                            dict(a_desc=(torch.bfloat16, (bk, bm)), b_desc=(torch.bfloat16, (bk, bn)),
                                 c_desc=(torch.bfloat16, (bm, bn))),

@@ -173,7 +173,10 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
 
 # ------------------------------------------------------------------------------- ragged K (grouped_wgrad_ws.py)
 
-WGRAD_CONFIGS = {"128x256": (128, 256, 64, 3, 8), "128x128": (128, 128, 64, 4, 4)}  # BM, BN, BK, stages, warps
+# BM, BN, BK, stages, warps a consumer, consumers. The "pp" ones (two consumers taking turns by tile) compile for
+# sm_90 with no spills but have not run on a GPU yet (RESULTS.md, thirty-first session): not used by the MoE ops.
+WGRAD_CONFIGS = {"128x256": (128, 256, 64, 3, 8, 1), "128x128": (128, 128, 64, 4, 4, 1),
+                 "128x128pp": (128, 128, 64, 4, 4, 2), "64x256pp": (64, 256, 64, 3, 4, 2)}
 
 
 def grouped_wgrad_unsupported(a: torch.Tensor, b: torch.Tensor, block_m: int = 128) -> Optional[str]:
@@ -209,7 +212,7 @@ def launch_grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, o
     from kosmos.kernels.gemm import num_sms
     from kosmos.kernels.grouped_wgrad_ws import grouped_wgrad_kernel
 
-    BM, BN, BK, stages, warps = WGRAD_CONFIGS[config]
+    BM, BN, BK, stages, warps, consumers = WGRAD_CONFIGS[config]
     (S, M), N, E = a.shape, b.shape[1], ends.numel()
     if ends.dtype != torch.int32 or ends.dim() != 1 or ends.device != a.device:
         raise ValueError(f"kosmos grouped_wgrad: ends must be int32 [E] on {a.device}, not {ends.dtype} "
@@ -221,13 +224,11 @@ def launch_grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, o
                          f"aligned [{E}, {M}, {N}] {a.dtype}")
     if E == 0 or M == 0 or N == 0:
         return out
-
-
     a_desc = _descriptor(a, [S, M], a.stride(0), [BK, BM])
     b_desc = _descriptor(b, [S, N], b.stride(0), [BK, BN])
     c_desc = _descriptor(out.view(E * M, N), [E * M, N], N, [BM, BN])
     tiles = E * (M // BM) * -(-N // BN)
     grouped_wgrad_kernel[(min(tiles, programs or num_sms(a.device)),)](
         a_desc, b_desc, c_desc, ends.contiguous(), E, M, N, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=stages,
-        PRODUCER_REGS=40, CONSUMER_WARPS=warps, num_warps=warps)
+        PRODUCER_REGS=40, CONSUMER_WARPS=warps, NUM_CONSUMERS=consumers, CONSUMER_REGS=232, num_warps=warps)
     return out

@@ -62,66 +62,98 @@ def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M
 
 
 @gluon.jit
-def _wgrad_consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, ends_ptr, E, M, N,
+def _wgrad_consumer(a_bufs, b_bufs, ready, empty, turns, c_desc, c_smem, ends_ptr, E, M, N,
                     CONSUMER_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """MMAs and stores every NUM_CONSUMERS-th tile of the program's list, from its CONSUMER-th; the ring's stages of
+    the other consumer's tiles are counted past (the producer fills the ring in list order). With two consumers
+    their k-loops take turns (turns: one mbarrier each, arrived on by the other when its k-loop is done), so one's
+    epilogue runs under the other's MMAs. The turns are also what makes the ring's parity waits sound: a consumer
+    that skipped ahead could otherwise wait on a stage two fills early and pass on the older phase."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [CONSUMER_WARPS, 1], [1, 0])
     num_pid_n = gl.cdiv(N, BLOCK_N)
     per_group = (M // BLOCK_M) * num_pid_n
     it = 0
+    j = 0  # the tile's place in the program's list
     for t in range(gl.program_id(0), E * per_group, gl.num_programs(0)):
         e, off_m, off_n, start, end = _tile_rows(t, ends_ptr, num_pid_n, per_group, BLOCK_M, BLOCK_N)
-        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-        prev = 0
-        for k in range(start, end, BLOCK_K):
-            s = it % STAGES
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            if k + BLOCK_K > end:  # rows [end, k + BLOCK_K) are the next group's (or TMA's zeros past S)
-                # zeroed in both blocks: a zero row of one times an inf of the other would be a nan
-                _zero_rows_from(a_bufs.index(s), end - k, rows_layout, BLOCK_K)
-                _zero_rows_from(b_bufs.index(s), end - k, rows_layout, BLOCK_K)
-                fence_async_shared()
-                _cta_barrier()  # every consumer warp's zeros are in before either warpgroup's MMA reads them
-            acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
-            # one MMA stays in flight; the one before it has retired, so its stage goes back to the producer
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index(prev), pred=k > start)
-            prev = s
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(prev), pred=end > start)
-        tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
-        c_smem.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [e * M + off_m, off_n], c_smem)
+        if j % NUM_CONSUMERS == CONSUMER:
+            if NUM_CONSUMERS > 1:  # the other consumer's k-loop of tile j - 1 is done: the (j - 1)-th turn
+                mbarrier.wait(turns.index(CONSUMER), ((j - 1) // 2) & 1, pred=j > 0)
+            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            prev = 0
+            for k in range(start, end, BLOCK_K):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                if k + BLOCK_K > end:  # rows [end, k + BLOCK_K) are the next group's (or TMA's zeros past S)
+                    # zeroed in both blocks: a zero row of one times an inf of the other would be a nan
+                    _zero_rows_from(a_bufs.index(s), end - k, rows_layout, BLOCK_K)
+                    _zero_rows_from(b_bufs.index(s), end - k, rows_layout, BLOCK_K)
+                    fence_async_shared()
+                    _cta_barrier()  # every warp's zeros are in before either warpgroup's MMA reads them
+                acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+                # one MMA stays in flight; the one before it has retired, so its stage goes back to the producer
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index(prev), pred=k > start)
+                prev = s
+                it += 1
+            if NUM_CONSUMERS > 1:
+                mbarrier.arrive(turns.index(1 - CONSUMER))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(prev), pred=end > start)
+            tma.store_wait(pendings=0)  # this consumer's previous store has read c_smem
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [e * M + off_m, off_n], c_smem)
+        else:
+            it += gl.cdiv(gl.maximum(end - start, 0), BLOCK_K)
+        j += 1
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def grouped_wgrad_kernel(a_desc, b_desc, c_desc, ends_ptr, E, M, N,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                         PRODUCER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr):
-    """out[e] = A_e^T @ B_e for every group; grid <= #SMs, num_warps = CONSUMER_WARPS (a one-warp producer is the
-    worker). a_desc over A [S, M] block [BLOCK_K, BLOCK_M]; b_desc over B [S, N] block [BLOCK_K, BLOCK_N]; c_desc
-    over out as [E * M, N] block [BLOCK_M, BLOCK_N]; M a multiple of BLOCK_M (a tile never reaches the next
-    group's rows of out)."""
+                         PRODUCER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr):
+    """out[e] = A_e^T @ B_e for every group; grid <= #SMs, num_warps = CONSUMER_WARPS (the first consumer is the
+    default partition; a one-warp producer and, with NUM_CONSUMERS = 2, a second consumer of CONSUMER_REGS registers
+    a thread are the workers: the two take turns by tile, so one's epilogue runs under the other's MMAs). a_desc over
+    A [S, M] block [BLOCK_K, BLOCK_M]; b_desc over B [S, N] block [BLOCK_K, BLOCK_N]; c_desc over out as [E * M, N]
+    block [BLOCK_M, BLOCK_N]; M a multiple of BLOCK_M (a tile never reaches the next group's rows of out)."""
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    c_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, BLOCK_N], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize([
-        (_wgrad_consumer, (a_bufs, b_bufs, ready, empty, c_desc, c_smem, ends_ptr, E, M, N, CONSUMER_WARPS,
-                           BLOCK_M, BLOCK_N, BLOCK_K, STAGES)),
-        (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N, BLOCK_M, BLOCK_N,
-                           BLOCK_K, STAGES)),
-    ], [1], [PRODUCER_REGS])
+    # the partitions as literals: the jit cannot bind a tuple holding a function to a name
+    if NUM_CONSUMERS == 1:
+        gl.warp_specialize([  # (`ready` stands in for the turns' barriers, which one consumer does not use)
+            (_wgrad_consumer, (a_bufs, b_bufs, ready, empty, ready, c_desc, c_bufs.index(0), ends_ptr, E, M, N,
+                               CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, NUM_CONSUMERS)),
+            (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N, BLOCK_M, BLOCK_N,
+                               BLOCK_K, STAGES)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(turns.index(0), count=1)
+        mbarrier.init(turns.index(1), count=1)
+        gl.warp_specialize([
+            (_wgrad_consumer, (a_bufs, b_bufs, ready, empty, turns, c_desc, c_bufs.index(0), ends_ptr, E, M, N,
+                               CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, NUM_CONSUMERS)),
+            (_wgrad_consumer, (a_bufs, b_bufs, ready, empty, turns, c_desc, c_bufs.index(1), ends_ptr, E, M, N,
+                               CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, NUM_CONSUMERS)),
+            (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N, BLOCK_M, BLOCK_N,
+                               BLOCK_K, STAGES)),
+        ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        mbarrier.invalidate(turns.index(0))
+        mbarrier.invalidate(turns.index(1))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))

@@ -3,7 +3,8 @@
 # the kernels is CPU-bound), then the benchmarks one after another (timings need the GPU alone).
 #   bash benchmarks/run_gpu_suite.sh        (logs under $OUT, default /tmp/kosmos_gpu; short table last)
 # Steps can be left out: SKIP_TESTS=1, SKIP_PASS=1, SKIP_TP=1, SKIP_GEMM=1, SKIP_MOE=1, SKIP_EP=1; GEMM_ARGS / MOE_ARGS /
-# EP_ARGS replace the benchmarks' arguments. On the lent machine carry .whl (expecttest; see README) and start with:
+# EP_ARGS replace the benchmarks' arguments; PACK=1 leaves the logs in one $OUT/suite_logs.tgz. On the lent machine
+# carry .whl (expecttest; see README) and start with:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 # NVLink multicast stays off (it can take a host's GPUs out of service).
 set -o pipefail
@@ -23,6 +24,9 @@ run_group() {  # run_group N pytest-args...: one group in the background, its lo
     timeout ${TEST_TIMEOUT:-480} $PYTEST -m gpu "$@" --junitxml="$OUT/junit_gpu_$n.xml" > "$OUT/tests_gpu_$n.log" 2>&1 &
     pids[$n]=$!
     names[$n]="$*"
+}
+summary() {  # pytest's count line of a log (a warning printed at exit can come after it), else its last line
+    grep -E "[0-9]+ (passed|failed|error|skipped|deselected)" "$1" | tail -1 | grep . || tail -1 "$1"
 }
 pids=() names=()
 if [ -z "$SKIP_TESTS" ]; then
@@ -49,13 +53,14 @@ if [ -z "$SKIP_TESTS" ]; then
         [ $r -ne 0 ] && rc_gpu=1
         echo "== tests_gpu_$i: ${names[$i]:0:70} (rc $r)"
         grep -E "^(FAILED|ERROR)" "$OUT/tests_gpu_$i.log" | cut -c1-300 | head -25
-        tail -1 "$OUT/tests_gpu_$i.log"
+        [ $r -eq 124 ] && echo "stopped at TEST_TIMEOUT=${TEST_TIMEOUT:-480} s (cold caches take longer)"
+        summary "$OUT/tests_gpu_$i.log"
     done
 fi
 if [ -z "$SKIP_PASS" ]; then
     wait $p_pass; rc_pass=$?
     echo "== tests_pass"; grep -E "^(FAILED|ERROR)" "$OUT/tests_pass.log" | cut -c1-300 | head -20
-    tail -1 "$OUT/tests_pass.log"
+    summary "$OUT/tests_pass.log"
 fi
 
 # 3. benchmarks: queue overhead of the fused kernels, the GEMM core vs cuBLAS, the MoE layer (reference and fused
@@ -84,5 +89,8 @@ fi
 [ -z "$SKIP_GEMM" ] && tail -12 "$OUT/bench_gemm.log"
 [ -z "$SKIP_MOE" ] && tail -8 "$OUT/bench_moe.log"
 [ -z "$SKIP_EP" ] && tail -5 "$OUT/bench_moe_ep.log"
+if [ -n "$PACK" ]; then  # one file for a device call (which returns a few files from $OUT, not dozens)
+    (cd "$OUT" && shopt -s nullglob && files=(*.log *.xml *.json *.txt) && tar czf suite_logs.tgz --remove-files -- "${files[@]}")
+fi
 echo "gpu tests rc=$rc_gpu  pass tests rc=$rc_pass  tp_sp bench rc=$rc_tp  gemm bench rc=$rc_gemm  moe bench rc=$rc_moe  moe ep bench rc=$rc_ep"
 exit $(( rc_gpu != 0 || rc_pass != 0 || rc_tp != 0 || rc_gemm != 0 || rc_moe != 0 || rc_ep != 0 ))

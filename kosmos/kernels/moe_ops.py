@@ -384,26 +384,35 @@ def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, 
 WIDE_EXPERT = 14_000_000
 
 
+def _kosmos_mode(op: str, env: str, modes: tuple[str, ...], unsupported, shape: tuple[int, int],
+                 what: str, every_size: str) -> Optional[str]:
+    """env's mode (one of modes: "auto", the default, takes kosmos's kernel for per-expert matrices `shape` of
+    WIDE_EXPERT elements or more; "torch" never) when kosmos's kernel for `op` runs, else None with the run of
+    torch._grouped_mm and its reason recorded. unsupported(): why the kernel cannot take the operands, or None."""
+    mode = os.environ.get(env, "auto")
+    if mode not in modes:
+        raise ValueError(f"{env}={mode!r}: expected {', '.join(modes[:-1])} or {modes[-1]}")
+    reason = f"{env}=torch" if mode == "torch" else unsupported()
+    if reason is None and mode == "auto" and shape[0] * shape[1] < WIDE_EXPERT:
+        reason = (f"a {shape[0]} x {shape[1]} {what} per expert, where torch's kernel is as fast (kosmos's from "
+                  f"{WIDE_EXPERT} elements; {env}={every_size} for every size)")
+    if reason is not None:
+        record_run(op, "torch._grouped_mm", reason)
+        return None
+    return mode
+
+
 def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:
     """The reference's ragged-M grouped matmul by kosmos's grouped GEMM (gemm_ws_host.grouped_mm) when it takes the
     operands and pays off, else None (the caller runs torch._grouped_mm). KOSMOS_GROUPED_MM: auto (default: weights
     of WIDE_EXPERT elements or more per expert, with a group's m-tiles next to each other, so an expert's weight is
     read once for all its rows while it is in L2), kosmos_m (that order for every size), kosmos (a group's column
     blocks next to each other), torch (never). The report records which ran and why; the bits are the same."""
-    mode = os.environ.get("KOSMOS_GROUPED_MM", "auto")
-    if mode not in ("auto", "kosmos", "kosmos_m", "torch"):
-        raise ValueError(f"KOSMOS_GROUPED_MM={mode!r}: expected auto, kosmos, kosmos_m or torch")
-    if mode == "torch":
-        record_run("grouped_mm", "torch._grouped_mm", "KOSMOS_GROUPED_MM=torch")
-        return None
     from kosmos.kernels import gemm_ws_host
 
-    reason = gemm_ws_host.grouped_unsupported(a, b)
-    if reason is None and mode == "auto" and b.shape[1] * b.shape[2] < WIDE_EXPERT:
-        reason = (f"a {b.shape[1]} x {b.shape[2]} weight per expert, where torch's kernel is as fast (kosmos's from "
-                  f"{WIDE_EXPERT} elements; KOSMOS_GROUPED_MM=kosmos_m for every size)")
-    if reason is not None:
-        record_run("grouped_mm", "torch._grouped_mm", reason)
+    mode = _kosmos_mode("grouped_mm", "KOSMOS_GROUPED_MM", ("auto", "kosmos", "kosmos_m", "torch"),
+                        lambda: gemm_ws_host.grouped_unsupported(a, b), b.shape[1:], "weight", "kosmos_m")
+    if mode is None:
         return None
     m_fastest = mode != "kosmos"
     record_run("grouped_mm", f"kosmos grouped_ws{' m-fastest' if m_fastest else ''}", "supported")
@@ -415,20 +424,11 @@ def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> 
     expert without rows) by kosmos's kernel (gemm_ws_host.grouped_wgrad) when it takes the operands and pays off,
     else None (the caller runs torch._grouped_mm). KOSMOS_GROUPED_WGRAD: auto (default: gradients of WIDE_EXPERT
     elements or more), kosmos (whenever it takes them), torch (never). The report records which ran and why."""
-    mode = os.environ.get("KOSMOS_GROUPED_WGRAD", "auto")
-    if mode not in ("auto", "kosmos", "torch"):
-        raise ValueError(f"KOSMOS_GROUPED_WGRAD={mode!r}: expected auto, kosmos or torch")
-    if mode == "torch":
-        record_run("grouped_wgrad", "torch._grouped_mm", "KOSMOS_GROUPED_WGRAD=torch")
-        return None
     from kosmos.kernels import gemm_ws_host
 
-    reason = gemm_ws_host.grouped_wgrad_unsupported(a, b)
-    if reason is None and mode == "auto" and a.shape[1] * b.shape[1] < WIDE_EXPERT:
-        reason = (f"a {a.shape[1]} x {b.shape[1]} gradient per expert, where torch's kernel is as fast (kosmos's "
-                  f"from {WIDE_EXPERT} elements; KOSMOS_GROUPED_WGRAD=kosmos for every size)")
-    if reason is not None:
-        record_run("grouped_wgrad", "torch._grouped_mm", reason)
+    if _kosmos_mode("grouped_wgrad", "KOSMOS_GROUPED_WGRAD", ("auto", "kosmos", "torch"),
+                    lambda: gemm_ws_host.grouped_wgrad_unsupported(a, b), (a.shape[1], b.shape[1]), "gradient",
+                    "kosmos") is None:
         return None
     record_run("grouped_wgrad", "kosmos grouped_wgrad_ws", "supported")
     return gemm_ws_host.launch_grouped_wgrad(a, b, ends)

@@ -69,8 +69,6 @@ def launch(a, b, bias, c, cfg, lay, plan, ws, cnt, programs: int, **overrides) -
 
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     M, N, K = lay.M, lay.N, lay.K
-
-
     a_desc = _descriptor(a, [M, K], lay.a_lead, [BM, BK])
     if lay.b_trans:
         b_desc = _descriptor(b, [N, K], lay.b_lead, [BN, BK])
@@ -157,8 +155,6 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
                          f"16-byte aligned row-major [{S}, {N}] {a.dtype}")
     BM, BN, BK = GROUPED_BLOCK
     b_trans = grouped_b_trans(b)
-
-
     a_desc = _descriptor(a, [S, K], a.stride(0), [BM, BK])
     b_desc = _descriptor(b, [E * N, K], K, [BN, BK]) if b_trans else _descriptor(b, [E * K, N], N, [BK, BN])
     c_desc = _descriptor(out, [S, N], out.stride(0), [BM, BN])

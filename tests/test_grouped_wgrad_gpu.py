@@ -97,7 +97,7 @@ def test_moe_backward_weight_gradients_by_either_kernel(mode, monkeypatch):
     _, _, ref_gate_up, ref_down = moe_math.experts_backward(grad, hidden, ids, weights, gate_up, down)
     assert torch.equal(d_gate_up, ref_gate_up) and torch.equal(d_down, ref_down)
     impls = {key[1] for key in kosmos.report().runtime if key[0] == "grouped_wgrad"}
-    assert ("kosmos grouped_wgrad_ws" in impls) == (mode == "kosmos")
+    assert any(impl.startswith("kosmos grouped_wgrad_ws") for impl in impls) == (mode == "kosmos")
 
 
 def test_moe_layer_gradients_by_either_kernel(monkeypatch):

@@ -644,10 +644,11 @@ def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch):
         grouped_rows_mm(a, b, ends)
 
 
-def test_grouped_rows_wgrad_reports_why_torch_runs(monkeypatch):
+def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch):
     """The weight gradients' kernel choice: KOSMOS_GROUPED_WGRAD=torch, operands the kernel cannot take (here: no
     sm_90 GPU, or fp32) and, on auto, gradients below WIDE_EXPERT all run torch._grouped_mm with the reason
-    recorded; an unknown mode is an error."""
+    recorded; kosmos's kernel runs the two-consumer config up to PINGPONG_MAX_ROWS rows per expert, the wide one
+    above, and the report names it; an unknown mode is an error."""
     import kosmos
     from kosmos.kernels import gemm_ws_host
     from kosmos.kernels.moe_ops import WIDE_EXPERT, grouped_rows_wgrad
@@ -677,6 +678,15 @@ def test_grouped_rows_wgrad_reports_why_torch_runs(monkeypatch):
     assert grouped_rows_wgrad(a, b, ends) is None
     (key,) = reasons()
     assert key[1] == "torch._grouped_mm" and "128 x 32 gradient per expert" in key[2], key
+    kosmos.reset_report()
+    monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "kosmos")
+    configs = []
+    monkeypatch.setattr(gemm_ws_host, "launch_grouped_wgrad", lambda a, b, ends, config: configs.append(config))
+    grouped_rows_wgrad(a, b, ends)
+    many = torch.zeros(gemm_ws_host.PINGPONG_MAX_ROWS * 2 + 1, 128, dtype=torch.bfloat16)
+    grouped_rows_wgrad(many, many[:, :32], ends)
+    assert configs == ["128x128pp", "128x256"]
+    assert reasons() == [("grouped_wgrad", f"kosmos grouped_wgrad_ws {c}", "supported") for c in configs]
     monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "cutlass")
     with pytest.raises(ValueError, match="KOSMOS_GROUPED_WGRAD"):
         grouped_rows_wgrad(a, b, ends)

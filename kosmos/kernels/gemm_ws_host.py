@@ -169,10 +169,20 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
 
 # ------------------------------------------------------------------------------- ragged K (grouped_wgrad_ws.py)
 
-# BM, BN, BK, stages, warps a consumer, consumers. The "pp" ones (two consumers taking turns by tile) compile for
-# sm_90 with no spills but have not run on a GPU yet (RESULTS.md, thirty-first session): not used by the MoE ops.
+# BM, BN, BK, stages, warps a consumer, consumers. The "pp" ones have two consumers taking turns by tile, so one's
+# epilogue runs under the other's MMAs.
 WGRAD_CONFIGS = {"128x256": (128, 256, 64, 3, 8, 1), "128x128": (128, 128, 64, 4, 4, 1),
                  "128x128pp": (128, 128, 64, 4, 4, 2), "64x256pp": (64, 256, 64, 3, 4, 2)}
+
+# Up to this many rows per group on average, a tile's k-loop is short enough that hiding its epilogue pays more than
+# the wider tile: on the H200 128x128pp beat 128x256 on DeepSeek-V3's experts at 129 and 257 rows per expert and
+# lost at 513 (RESULTS.md, thirty-second session).
+PINGPONG_MAX_ROWS = 384
+
+
+def wgrad_config(rows: int, groups: int) -> str:
+    """The WGRAD_CONFIGS entry the MoE ops run for `rows` grouped rows in `groups` groups."""
+    return "128x128pp" if rows <= PINGPONG_MAX_ROWS * max(groups, 1) else "128x256"
 
 
 def grouped_wgrad_unsupported(a: torch.Tensor, b: torch.Tensor, block_m: int = 128) -> Optional[str]:

@@ -430,8 +430,9 @@ def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> 
                     lambda: gemm_ws_host.grouped_wgrad_unsupported(a, b), (a.shape[1], b.shape[1]), "gradient",
                     "kosmos") is None:
         return None
-    record_run("grouped_wgrad", "kosmos grouped_wgrad_ws", "supported")
-    return gemm_ws_host.launch_grouped_wgrad(a, b, ends)
+    config = gemm_ws_host.wgrad_config(a.shape[0], ends.numel())
+    record_run("grouped_wgrad", f"kosmos grouped_wgrad_ws {config}", "supported")
+    return gemm_ws_host.launch_grouped_wgrad(a, b, ends, config=config)
 
 
 def register() -> None:

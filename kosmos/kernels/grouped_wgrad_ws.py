@@ -12,6 +12,9 @@ blocks in shared memory before its MMA, so nothing of the next group's rows (not
 Measured on the H200 against torch._grouped_mm (CUTLASS), RESULTS.md thirtieth session: the same bits; on
 DeepSeek-V3's gradients at 4096 / 8192 / 16384 tokens 6.21 / 9.29 / 14.53 ms against 6.50 / 9.26 / 14.52 (gate_up)
 and 3.23 / 4.85 / 7.16 against 3.42 / 4.56 / 7.56 (down), where writing the gradients alone takes 4.44 and 2.26 ms.
+With NUM_CONSUMERS = 2 (thirty-second session), two consumers take alternate tiles and their k-loops take turns,
+so one's store runs under the other's MMAs: at 4096 / 8192 tokens (129 / 257 rows per expert) 6.53 / 9.59 ms
+against 6.76 / 9.83 for the one-consumer 128x256 (gate_up), at 16384 slower (15.47 against 14.97).
 """
 from __future__ import annotations
 

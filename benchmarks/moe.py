@@ -175,7 +175,7 @@ def run_cell(layer: str, T: int, args) -> dict:
             res[f"peak_gib_{name}"] = float("nan") if args.cudagraphs else peak_gib(step, args)
             if name in KOSMOS_MODES:
                 res[f"impl_{name}"] = sorted({f"{op}: {impl} ({why})" for op, impl, why in kosmos.report().runtime
-                                              if op.startswith(("moe_layer", "grouped_mm"))}) or ["not rewritten"]
+                                              if op.startswith(("moe_layer", "grouped_"))}) or ["not rewritten"]
 
     rows = T * d["k"]
     a = torch.randn(rows, d["H"], device=device, dtype=dtype)

@@ -175,9 +175,10 @@ WGRAD_CONFIGS = {"128x256": (128, 256, 64, 3, 8, 1), "128x128": (128, 128, 64, 4
                  "128x128pp": (128, 128, 64, 4, 4, 2), "64x256pp": (64, 256, 64, 3, 4, 2)}
 
 # Up to this many rows per group on average, a tile's k-loop is short enough that hiding its epilogue pays more than
-# the wider tile: on the H200 128x128pp beat 128x256 on DeepSeek-V3's experts at 129 and 257 rows per expert and
-# lost at 513 (RESULTS.md, thirty-second session).
-PINGPONG_MAX_ROWS = 384
+# the wider tile. On the H200 (RESULTS.md, thirty-second session) 128x128pp beat 128x256 on DeepSeek-V3's experts
+# alone at 129 and 257 rows per expert and lost at 513; in the layer it was faster fwd+bwd at 129 rows (T = 4096)
+# and 0.6% slower at 257 (T = 8192, three A/B pairs).
+PINGPONG_MAX_ROWS = 192
 
 
 def wgrad_config(rows: int, groups: int) -> str:

@@ -1,0 +1,129 @@
+"""SM clock and board power while the MoE layers' expert GEMMs run, against dense GEMMs of the same FLOPs: is a
+grouped GEMM's lower rate its clock (the power cap, with each expert's weight streamed from HBM) or its work per
+clock?
+
+    PYTHONPATH=.:benchmarks python3 benchmarks/clocks.py --layer deepseek_v3 --T 16384 --seconds 3
+
+Each workload is the forward's two expert GEMMs (up, then down) over T * k rows: dense (one [rows, H] x [H, 2I] and
+one [rows, I] x [I, H] matmul, as moe.py's dense column), torch._grouped_mm (CUTLASS) and kosmos's grouped_ws with
+m-fastest tiles, rows grouped as grouped_mm.py's. After 2 s of heat, calls run back to back for --seconds while
+`nvidia-smi -lms` samples the SM clock and the board power; the samples of the first 0.5 s are dropped. Printed: ms a
+call (device time over the window), TF/s, median SM clock and power, and TF/s per GHz of SM clock (the work a clock
+cycle does).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import threading
+import time
+
+import torch
+
+from grouped_mm import LAYERS, routed_ends
+from measure import heat
+
+SETTLE_S = 0.5
+
+
+def sample_smi(samples: list, stop: threading.Event, period_ms: int = 50) -> None:
+    """Appends (time, SM MHz, W) of GPU 0 every period_ms until stop is set."""
+    query = ["nvidia-smi", "-i", "0", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"]
+    proc = subprocess.Popen(query + ["-lms", str(period_ms)], stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if stop.is_set():
+                break
+            fields = [f.strip() for f in line.split(",")]
+            try:
+                samples.append((time.time(), float(fields[0]), float(fields[1])))
+            except (ValueError, IndexError):
+                continue
+    finally:
+        proc.terminate()
+
+
+def run_window(fn, seconds: float) -> tuple[float, float, float, int]:
+    """(ms a call, median SM MHz, median W, samples) of fn run back to back for `seconds` under nvidia-smi."""
+    samples, stop = [], threading.Event()
+    sampler = threading.Thread(target=sample_smi, args=(samples, stop), daemon=True)
+    sampler.start()
+    time.sleep(0.3)  # nvidia-smi's start-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0, calls = time.time(), 0
+    start.record()
+    while time.time() - t0 < seconds:
+        for _ in range(10):
+            fn()
+        calls += 10
+        torch.cuda.synchronize()
+    end.record()
+    end.synchronize()
+    t1 = time.time()
+    stop.set()
+    sampler.join(timeout=2)
+    window = [s for s in samples if t0 + SETTLE_S <= s[0] <= t1]
+    if not window:
+        raise SystemExit("nvidia-smi gave no samples inside the window")
+    return (start.elapsed_time(end) / calls, statistics.median(s[1] for s in window),
+            statistics.median(s[2] for s in window), len(window))
+
+
+def workloads(layer: str, T: int, k: int = 8):
+    """name -> callable: the forward's up and down GEMMs, dense and grouped two ways; and the FLOPs of one call."""
+    from kosmos.kernels.gemm_ws_host import grouped_mm
+
+    H, I, E = LAYERS[layer]
+    ends = routed_ends(T, E, k, torch.Generator().manual_seed(0)).cuda()
+    S = int(ends[-1])
+    x = torch.randn(S, H, device="cuda", dtype=torch.bfloat16)
+    act = torch.randn(S, I, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    down = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02
+    w1 = gate_up[0].t().contiguous()
+    w2 = down[0].t().contiguous()
+    up_out = torch.empty(S, 2 * I, device="cuda", dtype=torch.bfloat16)
+    down_out = torch.empty(S, H, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * S * H * 2 * I + 2 * S * I * H
+    return {
+        "dense": lambda: (x @ w1, act @ w2),
+        "torch_grouped": lambda: (torch._grouped_mm(x, gate_up.transpose(1, 2), offs=ends),
+                                  torch._grouped_mm(act, down.transpose(1, 2), offs=ends)),
+        "kosmos_m": lambda: (grouped_mm(x, gate_up.transpose(1, 2), ends, out=up_out, m_fastest=True),
+                             grouped_mm(act, down.transpose(1, 2), ends, out=down_out, m_fastest=True)),
+    }, flops
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layer", default="deepseek_v3", choices=sorted(LAYERS))
+    p.add_argument("--T", type=int, default=16384)
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--impls", default="dense,torch_grouped,kosmos_m")
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+    fns, flops = workloads(args.layer, args.T)
+    rows = []
+    for name in args.impls.split(","):
+        if name not in fns:
+            raise SystemExit(f"--impls: unknown {name!r}; here: {sorted(fns)}")
+        heat(fns[name])
+        ms, mhz, watts, n = run_window(fns[name], args.seconds)
+        tflops = flops / ms / 1e9
+        rows.append(dict(impl=name, ms=ms, tflops=tflops, sm_mhz=mhz, watts=watts, samples=n,
+                         tflops_per_ghz=tflops / (mhz / 1000)))
+    print(f"{args.layer} T={args.T}: the forward's up + down GEMMs ({flops / 1e12:.2f} TFLOP a call)")
+    print(f"{'impl':>14} | {'ms':>7} | {'TF/s':>6} | {'SM MHz':>6} | {'W':>5} | {'TF/s/GHz':>8} | samples")
+    for r in rows:
+        print(f"{r['impl']:>14} | {r['ms']:7.3f} | {r['tflops']:6.0f} | {r['sm_mhz']:6.0f} | {r['watts']:5.0f} | "
+              f"{r['tflops_per_ghz']:8.1f} | {r['samples']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(layer=args.layer, T=args.T, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from grouped_mm import LAYERS, routed_ends
+from grouped_mm import LAYERS, cases, routed_ends
 from measure import heat
 
 SETTLE_S = 0.5
@@ -78,21 +78,17 @@ def workloads(layer: str, T: int, k: int = 8):
     H, I, E = LAYERS[layer]
     ends = routed_ends(T, E, k, torch.Generator().manual_seed(0)).cuda()
     S = int(ends[-1])
-    x = torch.randn(S, H, device="cuda", dtype=torch.bfloat16)
-    act = torch.randn(S, I, device="cuda", dtype=torch.bfloat16)
-    gate_up = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02
-    down = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.02
-    w1 = gate_up[0].t().contiguous()
-    w2 = down[0].t().contiguous()
-    up_out = torch.empty(S, 2 * I, device="cuda", dtype=torch.bfloat16)
-    down_out = torch.empty(S, H, device="cuda", dtype=torch.bfloat16)
+    gemms = cases(H, I, E, S, "cuda")
+    (x, up_w), (act, down_w) = gemms["up (fwd, K-contig B)"], gemms["down (fwd, K-contig B)"]
+    w1, w2 = up_w[0].contiguous(), down_w[0].contiguous()  # one expert's weights as dense [K, N] matrices
+    up_out = x.new_empty(S, 2 * I)
+    down_out = x.new_empty(S, H)
     flops = 2 * S * H * 2 * I + 2 * S * I * H
     return {
         "dense": lambda: (x @ w1, act @ w2),
-        "torch_grouped": lambda: (torch._grouped_mm(x, gate_up.transpose(1, 2), offs=ends),
-                                  torch._grouped_mm(act, down.transpose(1, 2), offs=ends)),
-        "kosmos_m": lambda: (grouped_mm(x, gate_up.transpose(1, 2), ends, out=up_out, m_fastest=True),
-                             grouped_mm(act, down.transpose(1, 2), ends, out=down_out, m_fastest=True)),
+        "torch_grouped": lambda: (torch._grouped_mm(x, up_w, offs=ends), torch._grouped_mm(act, down_w, offs=ends)),
+        "kosmos_m": lambda: (grouped_mm(x, up_w, ends, out=up_out, m_fastest=True),
+                             grouped_mm(act, down_w, ends, out=down_out, m_fastest=True)),
     }, flops
 
 

@@ -5,8 +5,9 @@ clock?
     PYTHONPATH=.:benchmarks python3 benchmarks/clocks.py --layer deepseek_v3 --T 16384 --seconds 3
 
 Each workload is the forward's two expert GEMMs (up, then down) over T * k rows: dense (one [rows, H] x [H, 2I] and
-one [rows, I] x [I, H] matmul, as moe.py's dense column), torch._grouped_mm (CUTLASS) and kosmos's grouped_ws with
-m-fastest tiles, rows grouped as grouped_mm.py's. After 2 s of heat, calls run back to back for --seconds while
+one [rows, I] x [I, H] matmul, as moe.py's dense column: one expert's weight for every row), bmm (cuBLAS batched
+over every expert's weight, rows / E rows each: the same weight traffic as the grouped GEMMs without their ragged
+groups), torch._grouped_mm (CUTLASS) and kosmos's grouped_ws with m-fastest tiles, rows grouped as grouped_mm.py's. After 2 s of heat, calls run back to back for --seconds while
 `nvidia-smi -lms` samples the SM clock and the board power; the samples of the first 0.5 s are dropped. Printed: ms a
 call (device time over the window), TF/s, median SM clock and power, and TF/s per GHz of SM clock (the work a clock
 cycle does).
@@ -72,7 +73,7 @@ def run_window(fn, seconds: float) -> tuple[float, float, float, int]:
 
 
 def workloads(layer: str, T: int, k: int = 8):
-    """name -> callable: the forward's up and down GEMMs, dense and grouped two ways; and the FLOPs of one call."""
+    """name -> (callable, FLOPs of one call): the forward's up and down GEMMs, dense, batched and grouped two ways."""
     from kosmos.kernels.gemm_ws_host import grouped_mm
 
     H, I, E = LAYERS[layer]
@@ -83,13 +84,20 @@ def workloads(layer: str, T: int, k: int = 8):
     w1, w2 = up_w[0].contiguous(), down_w[0].contiguous()  # one expert's weights as dense [K, N] matrices
     up_out = x.new_empty(S, 2 * I)
     down_out = x.new_empty(S, H)
-    flops = 2 * S * H * 2 * I + 2 * S * I * H
+    m = S // E
+    x_b, act_b = x[:E * m].view(E, m, H), act[:E * m].view(E, m, I)
+
+    def flops(rows: int) -> int:
+        return 2 * rows * H * 2 * I + 2 * rows * I * H
+
     return {
-        "dense": lambda: (x @ w1, act @ w2),
-        "torch_grouped": lambda: (torch._grouped_mm(x, up_w, offs=ends), torch._grouped_mm(act, down_w, offs=ends)),
-        "kosmos_m": lambda: (grouped_mm(x, up_w, ends, out=up_out, m_fastest=True),
-                             grouped_mm(act, down_w, ends, out=down_out, m_fastest=True)),
-    }, flops
+        "dense": (lambda: (x @ w1, act @ w2), flops(S)),
+        "bmm": (lambda: (torch.bmm(x_b, up_w), torch.bmm(act_b, down_w)), flops(E * m)),
+        "torch_grouped": (lambda: (torch._grouped_mm(x, up_w, offs=ends), torch._grouped_mm(act, down_w, offs=ends)),
+                          flops(S)),
+        "kosmos_m": (lambda: (grouped_mm(x, up_w, ends, out=up_out, m_fastest=True),
+                              grouped_mm(act, down_w, ends, out=down_out, m_fastest=True)), flops(S)),
+    }
 
 
 def main() -> int:
@@ -97,20 +105,22 @@ def main() -> int:
     p.add_argument("--layer", default="deepseek_v3", choices=sorted(LAYERS))
     p.add_argument("--T", type=int, default=16384)
     p.add_argument("--seconds", type=float, default=3.0)
-    p.add_argument("--impls", default="dense,torch_grouped,kosmos_m")
+    p.add_argument("--impls", default="dense,bmm,torch_grouped,kosmos_m")
     p.add_argument("--json", default="")
     args = p.parse_args()
-    fns, flops = workloads(args.layer, args.T)
+    fns = workloads(args.layer, args.T)
     rows = []
     for name in args.impls.split(","):
         if name not in fns:
             raise SystemExit(f"--impls: unknown {name!r}; here: {sorted(fns)}")
-        heat(fns[name])
-        ms, mhz, watts, n = run_window(fns[name], args.seconds)
+        fn, flops = fns[name]
+        heat(fn)
+        ms, mhz, watts, n = run_window(fn, args.seconds)
         tflops = flops / ms / 1e9
         rows.append(dict(impl=name, ms=ms, tflops=tflops, sm_mhz=mhz, watts=watts, samples=n,
                          tflops_per_ghz=tflops / (mhz / 1000)))
-    print(f"{args.layer} T={args.T}: the forward's up + down GEMMs ({flops / 1e12:.2f} TFLOP a call)")
+    print(f"{args.layer} T={args.T}: the forward's up + down GEMMs ({fns['dense'][1] / 1e12:.2f} TFLOP a call; "
+          f"bmm {fns['bmm'][1] / 1e12:.2f})")
     print(f"{'impl':>14} | {'ms':>7} | {'TF/s':>6} | {'SM MHz':>6} | {'W':>5} | {'TF/s/GHz':>8} | samples")
     for r in rows:
         print(f"{r['impl']:>14} | {r['ms']:7.3f} | {r['tflops']:6.0f} | {r['sm_mhz']:6.0f} | {r['watts']:5.0f} | "

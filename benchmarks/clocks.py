@@ -97,6 +97,8 @@ def workloads(layer: str, T: int, k: int = 8):
                           flops(S)),
         "kosmos_m": (lambda: (grouped_mm(x, up_w, ends, out=up_out, m_fastest=True),
                               grouped_mm(act, down_w, ends, out=down_out, m_fastest=True)), flops(S)),
+        "kosmos_mc": (lambda: (grouped_mm(x, up_w, ends, out=up_out, m_fastest=True, claim=True),
+                               grouped_mm(act, down_w, ends, out=down_out, m_fastest=True, claim=True)), flops(S)),
     }
 
 

@@ -41,16 +41,17 @@ def check(a, b, ends, sizes, **kw):
     return out
 
 
-@pytest.mark.parametrize("m_fastest", [False, True], ids=["n_fastest", "m_fastest"])
+@pytest.mark.parametrize("m_fastest,claim", [(False, False), (True, False), (True, True)],
+                         ids=["n_fastest", "m_fastest", "m_fastest_claimed"])
 @pytest.mark.parametrize("b_trans", [False, True], ids=["kn", "nk"])
 @pytest.mark.parametrize("sizes,K,N", [
     ([300, 0, 1, 129, 127, 128, 256, 77], 256, 512),  # empty, one-row, just over / under / exactly a tile
     ([0, 0, 1000, 0], 192, 320),  # every row in one group; N not a multiple of the 256-wide tile
     ([64] * 40, 128, 256),  # many groups shorter than a tile
 ])
-def test_groups_match_reference(sizes, K, N, b_trans, m_fastest):
+def test_groups_match_reference(sizes, K, N, b_trans, m_fastest, claim):
     a, b, ends = operands(sizes, K, N, b_trans)
-    check(a, b, ends, sizes, m_fastest=m_fastest)
+    check(a, b, ends, sizes, m_fastest=m_fastest, claim=claim)
 
 
 def test_fp16_and_moe_like_padded_groups():
@@ -65,17 +66,28 @@ def test_bit_identical_over_grid_sizes():
     sizes = [700, 5, 0, 513, 1024, 33]
     a, b, ends = operands(sizes, 256, 512, False)
     first = check(a, b, ends, sizes)
-    for programs, m_fastest in ((1, False), (7, True), (64, False), (64, True)):
-        again = check(a, b, ends, sizes, programs=programs, m_fastest=m_fastest)
-        assert torch.equal(again[:sum(sizes)], first[:sum(sizes)]), (programs, m_fastest)
+    for programs, m_fastest, claim in ((1, False, False), (7, True, False), (64, False, False), (64, True, False),
+                                       (1, True, True), (7, True, True), (132, True, True)):
+        again = check(a, b, ends, sizes, programs=programs, m_fastest=m_fastest, claim=claim)
+        assert torch.equal(again[:sum(sizes)], first[:sum(sizes)]), (programs, m_fastest, claim)
 
 
-def test_clear_errors():
-    a, b, ends = operands([10, 20], 128, 256, False)
-    assert "dtypes" in grouped_unsupported(a.float(), b.float())
-    assert "multiple of 64" in grouped_unsupported(a[:, :120].contiguous(), b[:, :120].contiguous())
-    assert "B strides" in grouped_unsupported(a, b[:, :, :128])
-    with pytest.raises(ValueError, match="ends must be int32"):
-        grouped_mm(a, b, ends.long())
-    with pytest.raises(ValueError, match="dtypes"):
-        grouped_mm(a.float(), b.float(), ends)
+def test_claimed_tiles_replay_in_a_cuda_graph():
+    """The claim counter is zeroed on every call, graph replays included, and claimed tiles give the static
+    schedule's bits."""
+    g = torch.Generator().manual_seed(2)
+    counts = torch.multinomial(torch.ones(64), 4096, replacement=True, generator=g).bincount(minlength=64)
+    sizes = (counts + 1).tolist()
+    a, b, ends = operands(sizes, 512, 768, True)
+    rows = sum(sizes)
+    graph_out = torch.zeros(a.shape[0], b.shape[2], device="cuda", dtype=a.dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_mm(a, b, ends, out=graph_out, m_fastest=True, claim=True)
+    for seed in (3, 4):
+        a.copy_(torch.randn(a.shape, generator=torch.Generator().manual_seed(seed)).to(a.dtype))
+        graph.replay()
+        static = grouped_mm(a, b, ends, m_fastest=True)
+        assert torch.equal(graph_out[:rows], static[:rows]), seed
+        ref = torch._grouped_mm(a, b, offs=ends)[:rows].float()
+        assert ((graph_out[:rows].float() - ref).norm() / ref.norm()).item() < 1e-2

@@ -126,19 +126,21 @@ def grouped_unsupported(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,
-               programs: Optional[int] = None, m_fastest: bool = False) -> torch.Tensor:
+               programs: Optional[int] = None, m_fastest: bool = False, claim: bool = False) -> torch.Tensor:
     """[S, N]: rows [ends[e-1], ends[e]) of A [S, K] times B[e] ([E, K, N]) for every group e; rows past ends[-1]
     are left unwritten. ends: int32 [E] on A's device, non-decreasing, ends[-1] <= S (not checked: no host
     sync). m_fastest: a group's tiles in column-block order (its m-tiles next to each other; else its column blocks
-    next to each other). Raises ValueError where grouped_unsupported says why."""
+    next to each other). claim: programs take tiles from a counter as they get free (else tile t runs on program
+    t % programs), so the tiles at work at any moment are neighbours in that order. Raises ValueError where
+    grouped_unsupported says why."""
     reason = grouped_unsupported(a, b)
     if reason is not None:
         raise ValueError(f"kosmos grouped_mm: {reason}")
-    return launch_grouped_mm(a, b, ends, out, programs, m_fastest)
+    return launch_grouped_mm(a, b, ends, out, programs, m_fastest, claim)
 
 
 def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,
-                      programs: Optional[int] = None, m_fastest: bool = False) -> torch.Tensor:
+                      programs: Optional[int] = None, m_fastest: bool = False, claim: bool = False) -> torch.Tensor:
     """grouped_mm for operands grouped_unsupported has already accepted (the ends / out checks still run)."""
     from kosmos.kernels.gemm import num_sms
     from kosmos.kernels.grouped_ws import grouped_ws_kernel
@@ -160,11 +162,26 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
     c_desc = _descriptor(out, [S, N], out.stride(0), [BM, BN])
     if S == 0 or E == 0:
         return out
+    ends = ends.contiguous()
+    counter = torch.zeros(1, dtype=torch.int32, device=a.device) if claim else ends
     grouped_ws_kernel[(programs or num_sms(a.device),)](
-        a_desc, b_desc, c_desc, out, out.stride(0), ends.contiguous(), E, N, K,
+        a_desc, b_desc, c_desc, out, out.stride(0), ends, counter, E, N, K,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest, PRODUCER_REGS=40,
-        CONSUMER_WARPS=8, num_warps=8)
+        CONSUMER_WARPS=8, CLAIM=claim, num_warps=8)
     return out
+
+
+# From this many rows per group on average, tiles claimed from a counter pay: with 132 tiles at work in the static
+# order (tile t on program t % programs) the programs drift apart, the m-tiles sharing a weight's column block
+# no longer run together, and DeepSeek-V3's up GEMM at 513 rows per expert read 36.6 GB from DRAM for 15 GB of
+# weights; claimed, 18.3 GB, and its four expert GEMMs ran 2.2-9% faster. At 129 rows (T = 4096) claiming was
+# 1.3-5.7% slower (RESULTS.md, thirty-third session).
+CLAIM_MIN_ROWS = 384
+
+
+def grouped_claim(rows: int, groups: int) -> bool:
+    """Whether the MoE ops' ragged-M grouped matmuls over `rows` rows in `groups` groups claim their tiles."""
+    return rows >= CLAIM_MIN_ROWS * max(groups, 1)
 
 
 # ------------------------------------------------------------------------------- ragged K (grouped_wgrad_ws.py)

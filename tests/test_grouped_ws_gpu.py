@@ -91,3 +91,14 @@ def test_claimed_tiles_replay_in_a_cuda_graph():
         assert torch.equal(graph_out[:rows], static[:rows]), seed
         ref = torch._grouped_mm(a, b, offs=ends)[:rows].float()
         assert ((graph_out[:rows].float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_clear_errors():
+    a, b, ends = operands([10, 20], 128, 256, False)
+    assert "dtypes" in grouped_unsupported(a.float(), b.float())
+    assert "multiple of 64" in grouped_unsupported(a[:, :120].contiguous(), b[:, :120].contiguous())
+    assert "B strides" in grouped_unsupported(a, b[:, :, :128])
+    with pytest.raises(ValueError, match="ends must be int32"):
+        grouped_mm(a, b, ends.long())
+    with pytest.raises(ValueError, match="dtypes"):
+        grouped_mm(a.float(), b.float(), ends)

@@ -47,10 +47,9 @@ def _next_group(ends_ptr, E, mt, e, start, end, tile0, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
-def _first_cursor(ends_ptr, E, num_pid_n, BLOCK_M: gl.constexpr):
-    """The program's first tile t and the cursor at its group, with the stage counter at 0: where the producer and
-    the consumer both start, so they walk the same tiles."""
-    t = gl.program_id(0)
+def _first_cursor(t, ends_ptr, E, num_pid_n, BLOCK_M: gl.constexpr):
+    """The program's first tile t (its id, or its first claim) and the cursor at its group, with the stage counter
+    at 0: where the producer and the consumer both start, so they walk the same tiles."""
     zero = t * 0  # loop-carried values must start as tensors, not constexpr 0
     e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, zero, zero, gl.load(ends_ptr), zero, BLOCK_M)
     return t, e, start, end, tile0, zero
@@ -92,13 +91,10 @@ def _grouped_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_p
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
     if CLAIM:
-        t = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
-        zero = t * 0
-        e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, zero, zero, gl.load(ends_ptr), zero,
-                                           BLOCK_M)
-        it = zero
+        first = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
     else:
-        t, e, start, end, tile0, it = _first_cursor(ends_ptr, E, num_pid_n, BLOCK_M)
+        first = gl.program_id(0)
+    t, e, start, end, tile0, it = _first_cursor(first, ends_ptr, E, num_pid_n, BLOCK_M)
     while e < E:
         off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
         b_base = e * (N if B_TRANS else K)
@@ -117,12 +113,15 @@ def _grouped_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_p
 
 
 @gluon.jit
-def _claimed(ids, ready, it, CONSUMER_WARPS: gl.constexpr, STAGES: gl.constexpr):
-    """The tile id the producer published with stage `it` (-1: no more tiles)."""
+def _next_claimed(ids, ready, it, ends_ptr, E, num_pid_n, e, start, end, tile0, CONSUMER_WARPS: gl.constexpr,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """The tile id t the producer published with stage `it` and the cursor moved forward to it; e == E once t is
+    -1 (no more tiles)."""
     s = it % STAGES
     mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-    v = ids.index(s).load(gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0]))
-    return gl.max(v, axis=0)
+    t = gl.max(ids.index(s).load(gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0])), axis=0)
+    e, start, end, tile0 = _next_group(ends_ptr, E, gl.maximum(t, 0) // num_pid_n, e, start, end, tile0, BLOCK_M)
+    return t, gl.where(t < 0, E, e), start, end, tile0
 
 
 @gluon.jit
@@ -139,14 +138,11 @@ def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c
     rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
     if CLAIM:
-        zero = gl.program_id(0) * 0
-        e, start, end, tile0, it = zero, zero, gl.load(ends_ptr), zero, zero
-        t = _claimed(ids, ready, it, CONSUMER_WARPS, STAGES)
-        e, start, end, tile0 = _next_group(ends_ptr, E, gl.maximum(t, 0) // num_pid_n, e, start, end, tile0,
-                                           BLOCK_M)
-        e = gl.where(t < 0, E, e)
+        it = gl.program_id(0) * 0
+        t, e, start, end, tile0 = _next_claimed(ids, ready, it, ends_ptr, E, num_pid_n, it, it, gl.load(ends_ptr),
+                                                it, CONSUMER_WARPS, BLOCK_M, STAGES)
     else:
-        t, e, start, end, tile0, it = _first_cursor(ends_ptr, E, num_pid_n, BLOCK_M)
+        t, e, start, end, tile0, it = _first_cursor(gl.program_id(0), ends_ptr, E, num_pid_n, BLOCK_M)
     while e < E:
         off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
         acc, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, 0, k_tiles, it, acc_layout, 0, 1, BLOCK_M,
@@ -159,10 +155,8 @@ def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c
             mask = (r < end)[:, None] & (c < N)[None, :]
             gl.store(c_ptr + r.to(gl.int64)[:, None] * ldc + c[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
         if CLAIM:
-            t = _claimed(ids, ready, it, CONSUMER_WARPS, STAGES)
-            e, start, end, tile0 = _next_group(ends_ptr, E, gl.maximum(t, 0) // num_pid_n, e, start, end, tile0,
-                                               BLOCK_M)
-            e = gl.where(t < 0, E, e)
+            t, e, start, end, tile0 = _next_claimed(ids, ready, it, ends_ptr, E, num_pid_n, e, start, end, tile0,
+                                                    CONSUMER_WARPS, BLOCK_M, STAGES)
         else:
             t += gl.num_programs(0)
             e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, e, start, end, tile0, BLOCK_M)

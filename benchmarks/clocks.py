@@ -7,7 +7,8 @@ clock?
 Each workload is the forward's two expert GEMMs (up, then down) over T * k rows: dense (one [rows, H] x [H, 2I] and
 one [rows, I] x [I, H] matmul, as moe.py's dense column: one expert's weight for every row), bmm (cuBLAS batched
 over every expert's weight, rows / E rows each: the same weight traffic as the grouped GEMMs without their ragged
-groups), torch._grouped_mm (CUTLASS) and kosmos's grouped_ws with m-fastest tiles, rows grouped as grouped_mm.py's. After 2 s of heat, calls run back to back for --seconds while
+groups), torch._grouped_mm (CUTLASS) and kosmos's grouped_ws with m-fastest tiles (kosmos_mc: claimed from a
+counter), rows grouped as grouped_mm.py's. After 2 s of heat, calls run back to back for --seconds while
 `nvidia-smi -lms` samples the SM clock and the board power; the samples of the first 0.5 s are dropped. Printed: ms a
 call (device time over the window), TF/s, median SM clock and power, and TF/s per GHz of SM clock (the work a clock
 cycle does).

@@ -369,9 +369,9 @@ def test_gpu_grouped_vs_loop_bf16(monkeypatch):
                     reason="kosmos's grouped GEMM needs an sm_90 GPU")
 @pytest.mark.parametrize("mode", ["kosmos", "kosmos_m", "kosmos_mc"])
 def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch, mode):
-    """KOSMOS_GROUPED_MM=kosmos / kosmos_m / kosmos_mc: the ragged-M grouped matmuls (forward up / down, backward d_act / d_x)
-    run on kosmos's grouped GEMM, the weight gradients (below WIDE_EXPERT here) stay torch._grouped_mm's, the report
-    says so, and the results are those of torch._grouped_mm everywhere."""
+    """KOSMOS_GROUPED_MM=kosmos / kosmos_m / kosmos_mc: the ragged-M grouped matmuls (forward up / down, backward
+    d_act / d_x) run on kosmos's grouped GEMM, the weight gradients (below WIDE_EXPERT here) stay torch._grouped_mm's,
+    the report says so, and the results are those of torch._grouped_mm everywhere."""
     import kosmos
 
     case = _qwen3_30b_case()

@@ -1,4 +1,5 @@
-"""What kosmos did to a model: rewrites and candidates left alone (pass time), and which impl ran (run time)."""
+"""What kosmos did to a model: rewrites and candidates left alone (pass time), which impl ran (run time), and the
+graph breaks Dynamo counted meanwhile (code that ran eagerly, which no kosmos pass saw)."""
 from __future__ import annotations
 
 import collections
@@ -37,6 +38,7 @@ class Report:
     records: list[PassRecord]
     runtime: dict  # (op, impl, reason) -> calls
     workspaces: dict = dataclasses.field(default_factory=dict)  # name -> {"bytes": n, "uses": {kernel: formula}}
+    graph_breaks: dict = dataclasses.field(default_factory=dict)  # Dynamo's message -> count since reset()
 
     @property
     def rewrites(self) -> list[PassRecord]:
@@ -57,12 +59,29 @@ class Report:
         for name, w in sorted(self.workspaces.items()):
             lines.append(f"  workspace {name}: {w['bytes']} bytes per GPU")
             lines += [f"    {user}: {text}" for user, text in sorted(w["uses"].items())]
+        if self.graph_breaks:
+            lines.append("  graph breaks Dynamo counted (what they cut out ran eagerly, unseen by kosmos):")
+            lines += [f"    x{n}: {_summary(msg)}" for msg, n in sorted(self.graph_breaks.items())]
         return "\n".join(lines)
+
+
+def _summary(msg: str) -> str:
+    """Dynamo's first line, plus its hint and debug context (they name the cause and the way around it)."""
+    lines = [ln.strip() for ln in msg.strip().splitlines() if ln.strip()]
+    keep = [ln for ln in lines[1:] if ln.startswith(("Hint:", "Developer debug context:"))]
+    return " | ".join(lines[:1] + keep)
 
 
 _lock = threading.Lock()
 _records: list[PassRecord] = []
 _runtime: collections.Counter = collections.Counter()
+_breaks_at_reset: dict = {}  # Dynamo's graph-break counters when reset() ran: report() shows what came since
+
+
+def _dynamo_graph_breaks() -> dict:
+    from torch._dynamo.utils import counters
+
+    return dict(counters.get("graph_break", {}))
 
 
 def record(rec: PassRecord) -> None:
@@ -83,11 +102,14 @@ def record_run(op: str, impl: str, reason: str) -> None:
 def report() -> Report:
     from kosmos.kernels.runtime import workspace_report  # torch only: no Triton import
 
+    breaks = {m: n - _breaks_at_reset.get(m, 0) for m, n in _dynamo_graph_breaks().items()}
     with _lock:
-        return Report(list(_records), dict(_runtime), workspace_report())
+        return Report(list(_records), dict(_runtime), workspace_report(), {m: n for m, n in breaks.items() if n > 0})
 
 
 def reset() -> None:
+    global _breaks_at_reset
     with _lock:
         _records.clear()
         _runtime.clear()
+        _breaks_at_reset = _dynamo_graph_breaks()

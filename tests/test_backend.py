@@ -177,6 +177,27 @@ def test_explain_reports_rewrites_and_impl():
     assert rep.runtime[("ag_gemm", "reference", rec.impl_reason)] == 1
 
 
+def test_report_lists_graph_breaks_since_reset():
+    """Code Dynamo cuts out of the graph runs eagerly and no kosmos pass sees it: the report names each break
+    counted since reset_report(), with Dynamo's hint, and forgets the ones from before."""
+
+    def broken(x):
+        x = x.sin()
+        torch._dynamo.graph_break()
+        return x.cos()
+
+    torch._dynamo.reset()
+    torch.compile(broken, backend="kosmos")(torch.randn(4))
+    kosmos.reset_report()
+    assert kosmos.report().graph_breaks == {}
+    torch._dynamo.reset()
+    torch.compile(broken, backend="kosmos")(torch.randn(4))
+    rep = kosmos.report()
+    [(msg, n)] = rep.graph_breaks.items()
+    assert n == 1 and "graph_break" in msg, rep.graph_breaks
+    assert "graph breaks Dynamo counted" in str(rep) and "\n    x1: " in str(rep), str(rep)
+
+
 def test_fused_kernel_that_does_not_fit_takes_reference_with_reason():
     """A fused impl whose kernel build turns out not to fit the GPU (raised by the launcher before any launch)
     sends the call to the reference impl, and the report says why."""

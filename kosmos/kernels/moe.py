@@ -554,10 +554,12 @@ class MoeConfig:
     x_sorted copy; the UP tiles load their x rows from hidden through the sorted row -> token map the SCATTER tasks
     write (the same values into the same dots: the same bits); saves the copy's T*k*H writes and memory (Qwen3-235B
     T = 16384: 1 GiB); opt-in: not faster on an H200 (RESULTS.md, twenty-first session). early_claim: a program
-    claims its next task when it starts one, so the claim's atomic round trip (between tasks: 1.4% of the SM-time
-    of the UP phase, 3.4% of the DOWN phase, twentieth session's trace) overlaps the task; a held claim never blocks
-    (every task waits only on tasks of lower index and lower kind, and the program holding one runs it right after a
-    task of lower index); opt-in: within 0.4% of the default on an H200 (twenty-first session). group_blocks: the
+    claims its next task when it starts one, meant to overlap the claim's atomic round trip (between tasks: 1.4% of
+    the SM-time of the UP phase, 3.4% of the DOWN phase, twentieth session's trace) with the task; a held claim never
+    blocks (every task waits only on tasks of lower index and lower kind, and the program holding one runs it right
+    after a task of lower index); opt-in: within 0.4% of the default on an H200 (twenty-first session). Its PTX
+    shows why: Triton hands the atomic's result to every thread through shared memory behind a bar.sync right where
+    the atomic is issued, so the program still waits out the round trip there. group_blocks: the
     order of the UP and DOWN tasks: block by block, every weight chunk of a block before the next block (1); or G
     blocks at a time, chunk by chunk, so that G blocks read one chunk of an expert's weight while it is in L2
     (forward_configs: for experts whose weights far exceed the L2, as Mixtral's: group_blocks())."""

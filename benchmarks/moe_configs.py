@@ -25,6 +25,12 @@ CONFIGS = {  # name -> MoeConfig fields replaced on the default
     "bi128_bn256_s4": dict(bi=128, bn=256, num_stages=4),
     "bk128": dict(bk=128, bk2=128, num_stages=2),
     "w4": dict(num_warps=4),
+    "wide": dict(bi=128, bn=256, joint_gate_up=True),  # moe.WIDE_FORWARD, what moe_forward tries first
+    # one warpgroup per program and two programs per SM (81936 bytes of shared memory, 255 registers x 128 threads:
+    # sm_90 compile on the CPU, thirty-fourth session): a program's CTA barriers in its K loops (3 per K step in the
+    # 8-warp build) then hold one warpgroup, while the SM's other program runs its wgmma
+    "wide_bm64_w4_s2_2sm": dict(bi=128, bn=256, joint_gate_up=True, bm=64, num_warps=4, num_stages=2,
+                                programs_per_sm=2),
 }
 
 
@@ -49,10 +55,12 @@ def main() -> None:
     flops = 2 * args.T * k * (H * 2 * I + I * H)
     print(f"{args.layer} T={args.T}: {flops / 1e12:.2f} TFLOP of expert GEMMs")
     for name in args.configs.split(","):
-        cfg = dataclasses.replace(base, **CONFIGS[name])
+        fields = dict(CONFIGS[name])
+        programs = fields.pop("programs_per_sm", 1) * torch.cuda.get_device_properties(dev).multi_processor_count
+        cfg = dataclasses.replace(base, **fields)
         try:
-            def fn(cfg=cfg):
-                return moe.moe_forward(hidden, rw, None, None, gu, down, k, config=cfg)
+            def fn(cfg=cfg, programs=programs):
+                return moe.moe_forward(hidden, rw, None, None, gu, down, k, config=cfg, programs=programs)
             out = fn()[0]
             ms = bench_calls(fn, 10, 60)
         except Exception as e:  # noqa: BLE001  (a config that does not fit: say so, go on)

@@ -5,17 +5,13 @@ counters of exactly that call):
         deepseek_v3 16384 kosmos_m
 """
 import sys
-import torch
 sys.path.insert(0, "benchmarks")
 from clocks import workloads
+from measure import profile_one
 
 layer, T, impl = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 fn, flops = workloads(layer, T)[impl]
 for _ in range(3):
     fn()
-torch.cuda.synchronize()
-torch.cuda.profiler.start()
-fn()
-torch.cuda.synchronize()
-torch.cuda.profiler.stop()
+profile_one(fn)
 print(layer, T, impl, "TFLOP", flops / 1e12)

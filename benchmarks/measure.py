@@ -1,5 +1,5 @@
 """Measurement helpers shared by the benchmarks: device time from CUDA-graph replays (L2 flushed between
-calls), GPU heating before a timing, relative error."""
+calls), GPU heating before a timing, one call under the profiler (for ncu), relative error."""
 from __future__ import annotations
 
 import statistics
@@ -102,6 +102,16 @@ def heat(fn, seconds: float = 2.0) -> None:
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
+
+
+def profile_one(fn) -> None:
+    """One fn() between cudaProfilerStart / Stop (for `ncu --profile-from-start off`: the counters of exactly that
+    call); warm fn first."""
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
 
 
 def rel_err(out, ref) -> float:

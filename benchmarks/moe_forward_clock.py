@@ -8,7 +8,7 @@ import sys
 import torch
 sys.path.insert(0, "benchmarks")
 from clocks import run_window
-from measure import heat
+from measure import heat, profile_one
 from moe_trace import layer_inputs
 from kosmos.kernels import moe
 
@@ -28,7 +28,4 @@ if mode == "clock":
     print(f"{layer} T={T} fused forward: {ms:.3f} ms, expert GEMMs {flops / ms / 1e9:.0f} TF/s, SM {mhz:.0f} MHz, "
           f"{watts:.0f} W, {flops / ms / 1e9 / (mhz / 1000):.1f} TF/s/GHz ({n} samples; gate_up {tuple(gu.shape)})")
 else:
-    torch.cuda.profiler.start()
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    profile_one(fn)

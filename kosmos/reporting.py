@@ -78,7 +78,8 @@ _runtime: collections.Counter = collections.Counter()
 _breaks_at_reset: dict = {}  # Dynamo's graph-break counters when reset() ran: report() shows what came since
 
 
-def _dynamo_graph_breaks() -> dict:
+def dynamo_graph_breaks() -> dict:
+    """Dynamo's graph-break counters of this process (all frames, any backend): message -> count."""
     from torch._dynamo.utils import counters
 
     return dict(counters.get("graph_break", {}))
@@ -102,7 +103,7 @@ def record_run(op: str, impl: str, reason: str) -> None:
 def report() -> Report:
     from kosmos.kernels.runtime import workspace_report  # torch only: no Triton import
 
-    breaks = {m: n - _breaks_at_reset.get(m, 0) for m, n in _dynamo_graph_breaks().items()}
+    breaks = {m: n - _breaks_at_reset.get(m, 0) for m, n in dynamo_graph_breaks().items()}
     with _lock:
         return Report(list(_records), dict(_runtime), workspace_report(), {m: n for m, n in breaks.items() if n > 0})
 
@@ -112,4 +113,4 @@ def reset() -> None:
     with _lock:
         _records.clear()
         _runtime.clear()
-        _breaks_at_reset = _dynamo_graph_breaks()
+        _breaks_at_reset = dynamo_graph_breaks()

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from kosmos.passes.moe import op_name
-from kosmos.reporting import PassRecord, record
+from kosmos.reporting import PassRecord, dynamo_graph_breaks, record
 
 KIND = "moe_layer_ep"
 _GRAPH = "pre-grad"
@@ -168,12 +168,8 @@ def _resumed_after(graph: fx.Graph) -> Optional[str]:
 
 def graph_break_reasons() -> list[str]:
     """First lines of the data-dependent graph-break reasons Dynamo has counted in this process (all frames)."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return []
     reasons = []
-    for msg in counters.get("graph_break", {}):
+    for msg in dynamo_graph_breaks():
         first = str(msg).strip().splitlines()[0]
         detail = re.search(r"Operator `([^`]+)`", str(msg))
         if re.search(r"data.dependent|dynamic shape", str(msg), re.I):

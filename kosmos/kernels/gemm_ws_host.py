@@ -174,9 +174,10 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
 # From this many rows per group on average, tiles claimed from a counter pay: with 132 tiles at work in the static
 # order (tile t on program t % programs) the programs drift apart, the m-tiles sharing a weight's column block
 # no longer run together, and DeepSeek-V3's up GEMM at 513 rows per expert read 36.6 GB from DRAM for 15 GB of
-# weights; claimed, 18.3 GB, and its four expert GEMMs ran 2.2-9% faster. At 129 rows (T = 4096) claiming was
-# 1.3-5.7% slower (RESULTS.md, thirty-third session).
-CLAIM_MIN_ROWS = 384
+# weights; claimed, 18.3 GB, and its four expert GEMMs ran 2.2-9% faster. At 257 rows (T = 8192) they ran 1.4-14%
+# faster and the layer's fwd+bwd 2.3% (thirty-fifth session); at 129 rows (T = 4096) claiming was 1.3-5.7% slower
+# (RESULTS.md, thirty-third session).
+CLAIM_MIN_ROWS = 192
 
 
 def grouped_claim(rows: int, groups: int) -> bool:

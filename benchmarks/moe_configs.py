@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from benchmarks.moe import LAYERS
+from kosmos.kernels.moe import WIDE_FORWARD
 from measure import bench_calls
 
 CONFIGS = {  # name -> MoeConfig fields replaced on the default
@@ -25,12 +26,12 @@ CONFIGS = {  # name -> MoeConfig fields replaced on the default
     "bi128_bn256_s4": dict(bi=128, bn=256, num_stages=4),
     "bk128": dict(bk=128, bk2=128, num_stages=2),
     "w4": dict(num_warps=4),
-    "wide": dict(bi=128, bn=256, joint_gate_up=True),  # moe.WIDE_FORWARD, what moe_forward tries first
+    "wide": WIDE_FORWARD,  # what moe_forward tries first
     # one warpgroup per program and two programs per SM (81936 bytes of shared memory, 255 registers x 128 threads:
     # sm_90 compile on the CPU, thirty-fourth session): a program's CTA barriers in its K loops (3 per K step in the
-    # 8-warp build) then hold one warpgroup, while the SM's other program runs its wgmma
-    "wide_bm64_w4_s2_2sm": dict(bi=128, bn=256, joint_gate_up=True, bm=64, num_warps=4, num_stages=2,
-                                programs_per_sm=2),
+    # 8-warp build) then hold one warpgroup, while the SM's other program runs its wgmma. On the H200 27-43% slower
+    # than "wide" at T = 16384 (RESULTS.md, thirty-fifth session)
+    "wide_bm64_w4_s2_2sm": dict(WIDE_FORWARD, bm=64, num_warps=4, num_stages=2, programs_per_sm=2),
 }
 
 

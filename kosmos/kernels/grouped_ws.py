@@ -47,11 +47,18 @@ def _next_group(ends_ptr, E, mt, e, start, end, tile0, BLOCK_M: gl.constexpr):
 
 
 @gluon.jit
+def _start_cursor(ends_ptr, zero):
+    """The cursor at group 0, its first m-tile 0 (zero: a tensor 0, as loop-carried values must start)."""
+    return zero, zero, gl.load(ends_ptr), zero
+
+
+@gluon.jit
 def _first_cursor(t, ends_ptr, E, num_pid_n, BLOCK_M: gl.constexpr):
     """The program's first tile t (its id, or its first claim) and the cursor at its group, with the stage counter
     at 0: where the producer and the consumer both start, so they walk the same tiles."""
-    zero = t * 0  # loop-carried values must start as tensors, not constexpr 0
-    e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, zero, zero, gl.load(ends_ptr), zero, BLOCK_M)
+    zero = t * 0
+    e, start, end, tile0 = _start_cursor(ends_ptr, zero)
+    e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, e, start, end, tile0, BLOCK_M)
     return t, e, start, end, tile0, zero
 
 
@@ -139,8 +146,9 @@ def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
     if CLAIM:
         it = gl.program_id(0) * 0
-        t, e, start, end, tile0 = _next_claimed(ids, ready, it, ends_ptr, E, num_pid_n, it, it, gl.load(ends_ptr),
-                                                it, CONSUMER_WARPS, BLOCK_M, STAGES)
+        e, start, end, tile0 = _start_cursor(ends_ptr, it)
+        t, e, start, end, tile0 = _next_claimed(ids, ready, it, ends_ptr, E, num_pid_n, e, start, end, tile0,
+                                                CONSUMER_WARPS, BLOCK_M, STAGES)
     else:
         t, e, start, end, tile0, it = _first_cursor(gl.program_id(0), ends_ptr, E, num_pid_n, BLOCK_M)
     while e < E:

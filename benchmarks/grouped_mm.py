@@ -7,8 +7,7 @@ led by a pad row).
 
 ms are medians over the rounds of each round's median of --reps CUDA-event timed calls (the impls alternate round
 by round); TF/s count 2 * rows * K * N over the grouped rows. kosmos_m: kosmos's kernel with a group's m-tiles next
-to each other (grouped_mm(m_fastest=True)); kosmos_mc: the same with tiles claimed from a counter (claim=True);
-kosmos_mh / kosmos_mch: kosmos_m / kosmos_mc with half-height last tiles (half_tail=True).
+to each other (grouped_mm(m_fastest=True)); kosmos_mc: the same with tiles claimed from a counter (claim=True).
 """
 from __future__ import annotations
 
@@ -109,10 +108,7 @@ def main() -> int:
                 impls = {"torch": lambda: torch._grouped_mm(a, b, offs=ends),
                          "kosmos": lambda: grouped_mm(a, b, ends, out=out),
                          "kosmos_m": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True),
-                         "kosmos_mc": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True, claim=True),
-                         "kosmos_mh": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True, half_tail=True),
-                         "kosmos_mch": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True, claim=True,
-                                                          half_tail=True)}
+                         "kosmos_mc": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True, claim=True)}
             unknown = set(args.impls.split(",")) - set(impls)
             if unknown:
                 raise SystemExit(f"--impls: unknown {sorted(unknown)}; here: {sorted(impls)}")

@@ -367,12 +367,11 @@ def test_gpu_grouped_vs_loop_bf16(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="kosmos's grouped GEMM needs an sm_90 GPU")
-@pytest.mark.parametrize("mode", ["kosmos", "kosmos_m", "kosmos_mc", "kosmos_mh", "kosmos_mch"])
+@pytest.mark.parametrize("mode", ["kosmos", "kosmos_m", "kosmos_mc"])
 def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch, mode):
-    """KOSMOS_GROUPED_MM=kosmos / kosmos_m / kosmos_mc / kosmos_mh / kosmos_mch: the ragged-M grouped matmuls
-    (forward up / down, backward d_act / d_x) run on kosmos's grouped GEMM, the weight gradients (below WIDE_EXPERT
-    here) stay torch._grouped_mm's, the report says so, and the results are those of torch._grouped_mm
-    everywhere."""
+    """KOSMOS_GROUPED_MM=kosmos / kosmos_m / kosmos_mc: the ragged-M grouped matmuls (forward up / down, backward
+    d_act / d_x) run on kosmos's grouped GEMM, the weight gradients (below WIDE_EXPERT here) stay torch._grouped_mm's,
+    the report says so, and the results are those of torch._grouped_mm everywhere."""
     import kosmos
 
     case = _qwen3_30b_case()
@@ -388,9 +387,7 @@ def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch, mode):
     assert len(calls) == 2  # the two weight gradients (ragged K)
     runs = kosmos.report().runtime
     impl = {"kosmos": "kosmos grouped_ws", "kosmos_m": "kosmos grouped_ws m-fastest",
-            "kosmos_mc": "kosmos grouped_ws m-fastest claimed",
-            "kosmos_mh": "kosmos grouped_ws m-fastest half-tail",
-            "kosmos_mch": "kosmos grouped_ws m-fastest claimed half-tail"}[mode]
+            "kosmos_mc": "kosmos grouped_ws m-fastest claimed"}[mode]
     assert runs.get(("grouped_mm", impl, "supported")) == 6, runs
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -605,8 +602,7 @@ def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch):
     """The ragged-M grouped matmuls' kernel choice: KOSMOS_GROUPED_MM=torch, operands the kernel cannot take (here:
     no sm_90 GPU) and, on auto (the default), weights below WIDE_EXPERT per expert run torch._grouped_mm with the
     reason recorded; auto at WIDE_EXPERT and kosmos_m take kosmos's kernel with m-fastest tiles (auto claimed from
-    CLAIM_MIN_ROWS rows per expert, kosmos_mc always, kosmos_mch with half-height last tiles), kosmos with n-fastest
-    ones; an unknown mode is an error."""
+    CLAIM_MIN_ROWS rows per expert, kosmos_mc always), kosmos with n-fastest ones; an unknown mode is an error."""
     import kosmos
     from kosmos.kernels import gemm_ws_host
     from kosmos.kernels.moe_ops import WIDE_EXPERT, grouped_rows_mm
@@ -634,7 +630,7 @@ def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch):
     launched = []
     monkeypatch.setattr(gemm_ws_host, "grouped_unsupported", lambda a, b: None)
     monkeypatch.setattr(gemm_ws_host, "launch_grouped_mm",
-                        lambda a, b, ends, m_fastest, claim, half_tail: launched.append((m_fastest, claim, half_tail)))
+                        lambda a, b, ends, m_fastest, claim: launched.append((m_fastest, claim)))
     qwen3_235b_up = torch.empty(2, 4096, 3072, dtype=torch.bfloat16, device="meta")
     deepseek_v3_down = torch.empty(2, 7168, 2048, dtype=torch.bfloat16, device="meta")
     assert 4096 * 3072 < WIDE_EXPERT <= 7168 * 2048
@@ -644,16 +640,14 @@ def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch):
         assert choice(mode, deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest", "supported")
     assert choice("kosmos_m", b)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest", "supported")
     assert choice("kosmos_mc", b)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest claimed", "supported")
-    assert choice("kosmos_mch", b)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest claimed half-tail", "supported")
     assert choice("kosmos", deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws", "supported")
-    assert launched == [(True, False, False), (True, False, False), (True, False, False), (True, True, False),
-                        (True, True, True), (False, False, False)]
+    assert launched == [(True, False), (True, False), (True, False), (True, True), (False, False)]
     # auto claims the tiles from CLAIM_MIN_ROWS rows per expert on average (10 rows in 2 groups: 5)
     monkeypatch.setattr(gemm_ws_host, "CLAIM_MIN_ROWS", 5)
     assert choice("auto", deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest claimed", "supported")
     monkeypatch.setattr(gemm_ws_host, "CLAIM_MIN_ROWS", 6)
     assert choice("auto", deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest", "supported")
-    assert launched[-2:] == [(True, True, False), (True, False, False)]
+    assert launched[-2:] == [(True, True), (True, False)]
     monkeypatch.setenv("KOSMOS_GROUPED_MM", "cutlass")
     with pytest.raises(ValueError, match="KOSMOS_GROUPED_MM"):
         grouped_rows_mm(a, b, ends)

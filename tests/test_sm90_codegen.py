@@ -68,11 +68,10 @@ def test_gemm_warp_specialized(name, b_trans):
     assert k.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("m_fastest,claim,half_tail", [(False, False, False), (True, False, False),
-                                                        (True, True, False), (True, True, True)],
-                         ids=["n_fastest", "m_fastest", "m_fastest_claimed", "m_fastest_claimed_half_tail"])
+@pytest.mark.parametrize("m_fastest,claim", [(False, False), (True, False), (True, True)],
+                         ids=["n_fastest", "m_fastest", "m_fastest_claimed"])
 @pytest.mark.parametrize("b_trans", [True, False], ids=["nk", "kn"])
-def test_grouped_warp_specialized(b_trans, m_fastest, claim, half_tail):
+def test_grouped_warp_specialized(b_trans, m_fastest, claim):
     from kosmos.kernels import gemm_ws_host, grouped_ws
 
     if gemm_ws_host.gluon_missing():
@@ -80,7 +79,7 @@ def test_grouped_warp_specialized(b_trans, m_fastest, claim, half_tail):
     bm, bn, bk = gemm_ws_host.GROUPED_BLOCK
     k = compile_sm90_gluon(grouped_ws.grouped_ws_kernel,
                            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest,
-                                PRODUCER_REGS=40, CONSUMER_WARPS=8, CLAIM=claim, HALF_TAIL=half_tail),
+                                PRODUCER_REGS=40, CONSUMER_WARPS=8, CLAIM=claim),
                            dict(c_ptr=BF, ends_ptr="i32", claim_ptr="i32"),
                            dict(a_desc=(torch.bfloat16, (bm, bk)),
                                 b_desc=(torch.bfloat16, (bn, bk) if b_trans else (bk, bn)),

@@ -126,24 +126,21 @@ def grouped_unsupported(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,
-               programs: Optional[int] = None, m_fastest: bool = False, claim: bool = False,
-               half_tail: bool = False) -> torch.Tensor:
+               programs: Optional[int] = None, m_fastest: bool = False, claim: bool = False) -> torch.Tensor:
     """[S, N]: rows [ends[e-1], ends[e]) of A [S, K] times B[e] ([E, K, N]) for every group e; rows past ends[-1]
     are left unwritten. ends: int32 [E] on A's device, non-decreasing, ends[-1] <= S (not checked: no host
     sync). m_fastest: a group's tiles in column-block order (its m-tiles next to each other; else its column blocks
     next to each other). claim: programs take tiles from a counter as they get free (else tile t runs on program
-    t % programs), so the tiles at work at any moment are neighbours in that order. half_tail: a group's last tile
-    of at most half the tile's rows runs only that half's MMAs. Raises ValueError where grouped_unsupported says
-    why."""
+    t % programs), so the tiles at work at any moment are neighbours in that order. Raises ValueError where
+    grouped_unsupported says why."""
     reason = grouped_unsupported(a, b)
     if reason is not None:
         raise ValueError(f"kosmos grouped_mm: {reason}")
-    return launch_grouped_mm(a, b, ends, out, programs, m_fastest, claim, half_tail)
+    return launch_grouped_mm(a, b, ends, out, programs, m_fastest, claim)
 
 
 def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,
-                      programs: Optional[int] = None, m_fastest: bool = False, claim: bool = False,
-                      half_tail: bool = False) -> torch.Tensor:
+                      programs: Optional[int] = None, m_fastest: bool = False, claim: bool = False) -> torch.Tensor:
     """grouped_mm for operands grouped_unsupported has already accepted (the ends / out checks still run)."""
     from kosmos.kernels.gemm import num_sms
     from kosmos.kernels.grouped_ws import grouped_ws_kernel
@@ -170,7 +167,7 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
     grouped_ws_kernel[(programs or num_sms(a.device),)](
         a_desc, b_desc, c_desc, out, out.stride(0), ends, counter, E, N, K,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest, PRODUCER_REGS=40,
-        CONSUMER_WARPS=8, CLAIM=claim, HALF_TAIL=half_tail, num_warps=8)
+        CONSUMER_WARPS=8, CLAIM=claim, num_warps=8)
     return out
 
 

@@ -132,30 +132,18 @@ def _next_claimed(ids, ready, it, ends_ptr, E, num_pid_n, e, start, end, tile0, 
 
 
 @gluon.jit
-def _store_rows(acc, c_ptr, ldc, off_m, off_n, end, N, layout: gl.constexpr, ROWS: gl.constexpr,
-                BLOCK_N: gl.constexpr):
-    """C[off_m:, off_n:] = acc for the rows before `end` and the columns before N (a group's last tile)."""
-    r = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    c = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    mask = (r < end)[:, None] & (c < N)[None, :]
-    gl.store(c_ptr + r.to(gl.int64)[:, None] * ldc + c[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-@gluon.jit
 def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c_ptr, ldc, ends_ptr, E, N, K,
                       CONSUMER_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr,
-                      CLAIM: gl.constexpr, HALF_TAIL: gl.constexpr):
+                      CLAIM: gl.constexpr):
     """MMAs and epilogue of the program's tiles, in the producer's order (CLAIM: the ids it publishes): a tile
     inside its group by TMA, a group's last, partial tile by a store masked to the group's rows."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    # a group's last tile of at most BLOCK_M / 2 rows: its upper half only, the two warpgroups on a column half each
-    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS // 2, 2],
-                                                          instr_shape=[16, BLOCK_N // 2, 16])
-    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [CONSUMER_WARPS, 1], [1, 0])
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
     if CLAIM:
         it = gl.program_id(0) * 0
         e, start, end, tile0 = _start_cursor(ends_ptr, it)
@@ -165,19 +153,15 @@ def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c
         t, e, start, end, tile0, it = _first_cursor(gl.program_id(0), ends_ptr, E, num_pid_n, BLOCK_M)
     while e < E:
         off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
-        if not HALF_TAIL or end - off_m > BLOCK_M // 2:
-            acc, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, 0, k_tiles, it, acc_layout, 0, 1, BLOCK_M,
-                                   BLOCK_M, BLOCK_N, STAGES, B_TRANS)
-            if off_m + BLOCK_M <= end:
-                _store_tile(acc, c_desc, c_smem, c_ptr, off_m, off_n, N, acc_layout, BLOCK_N, False)
-            else:
-                _store_rows(acc, c_ptr, ldc, off_m, off_n, end, N, acc_layout, BLOCK_M, BLOCK_N)
+        acc, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, 0, k_tiles, it, acc_layout, 0, 1, BLOCK_M,
+                               BLOCK_M, BLOCK_N, STAGES, B_TRANS)
+        if off_m + BLOCK_M <= end:
+            _store_tile(acc, c_desc, c_smem, c_ptr, off_m, off_n, N, acc_layout, BLOCK_N, False)
         else:
-            half, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, 0, k_tiles, it, half_layout, 0, 1,
-                                    BLOCK_M // 2, BLOCK_M, BLOCK_N, STAGES, B_TRANS)
-            # (stored from the MMA layout directly, the [4, 2] accumulator made ptxas serialize every wgmma)
-            half = gl.convert_layout(half.to(c_ptr.dtype.element_ty), store_layout)
-            _store_rows(half, c_ptr, ldc, off_m, off_n, end, N, store_layout, BLOCK_M // 2, BLOCK_N)
+            r = off_m + rows
+            c = off_n + cols
+            mask = (r < end)[:, None] & (c < N)[None, :]
+            gl.store(c_ptr + r.to(gl.int64)[:, None] * ldc + c[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
         if CLAIM:
             t, e, start, end, tile0 = _next_claimed(ids, ready, it, ends_ptr, E, num_pid_n, e, start, end, tile0,
                                                     CONSUMER_WARPS, BLOCK_M, STAGES)
@@ -191,7 +175,7 @@ def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c
 def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E, N, K,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                       B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                      CONSUMER_WARPS: gl.constexpr, CLAIM: gl.constexpr = False, HALF_TAIL: gl.constexpr = False):
+                      CONSUMER_WARPS: gl.constexpr, CLAIM: gl.constexpr = False):
     """C = A @ B[group] per row group; grid <= #SMs, num_warps = CONSUMER_WARPS (the consumer; a one-warp producer
     is the worker). a_desc [S, K] block [BLOCK_M, BLOCK_K]; b_desc over B as 2D, [E * K, N] block [BLOCK_K,
     BLOCK_N] or (B_TRANS) [E * N, K] block [BLOCK_N, BLOCK_K]; c_desc [S, N] block [BLOCK_M, BLOCK_N] (c_ptr, ldc:
@@ -209,8 +193,7 @@ def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_grouped_consumer, (a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c_ptr, ldc, ends_ptr, E, N,
-                             K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM,
-                             HALF_TAIL)),
+                             K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM)),
         (_grouped_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_ptr, ends_ptr, E, N, K,
                              BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM)),
     ], [1], [PRODUCER_REGS])

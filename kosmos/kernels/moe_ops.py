@@ -408,23 +408,19 @@ def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Opt
     of WIDE_EXPERT elements or more per expert, with a group's m-tiles next to each other, so an expert's weight is
     read once for all its rows while it is in L2, and from gemm_ws_host.CLAIM_MIN_ROWS rows per expert the tiles
     claimed from a counter, so the ones sharing a weight block run together), kosmos_m (m-fastest, not claimed, for
-    every size), kosmos_mc (m-fastest and claimed for every size), kosmos_mh / kosmos_mch (kosmos_m / kosmos_mc
-    with half-height last tiles), kosmos (a group's column blocks next to each other), torch (never). The report
-    records which ran and why; the bits are the same."""
+    every size), kosmos_mc (m-fastest and claimed for every size), kosmos (a group's column blocks next to each
+    other), torch (never). The report records which ran and why; the bits are the same."""
     from kosmos.kernels import gemm_ws_host
 
-    mode = _kosmos_mode("grouped_mm", "KOSMOS_GROUPED_MM",
-                        ("auto", "kosmos", "kosmos_m", "kosmos_mc", "kosmos_mh", "kosmos_mch", "torch"),
+    mode = _kosmos_mode("grouped_mm", "KOSMOS_GROUPED_MM", ("auto", "kosmos", "kosmos_m", "kosmos_mc", "torch"),
                         lambda: gemm_ws_host.grouped_unsupported(a, b), b.shape[1:], "weight", "kosmos_m")
     if mode is None:
         return None
     m_fastest = mode != "kosmos"
-    claim = mode in ("kosmos_mc", "kosmos_mch") or (mode == "auto"
-                                                     and gemm_ws_host.grouped_claim(a.shape[0], ends.numel()))
-    half_tail = mode in ("kosmos_mh", "kosmos_mch")
-    record_run("grouped_mm", f"kosmos grouped_ws{' m-fastest' if m_fastest else ''}{' claimed' if claim else ''}"
-               f"{' half-tail' if half_tail else ''}", "supported")
-    return gemm_ws_host.launch_grouped_mm(a, b, ends, m_fastest=m_fastest, claim=claim, half_tail=half_tail)
+    claim = mode == "kosmos_mc" or (mode == "auto" and gemm_ws_host.grouped_claim(a.shape[0], ends.numel()))
+    record_run("grouped_mm", f"kosmos grouped_ws{' m-fastest' if m_fastest else ''}{' claimed' if claim else ''}",
+               "supported")
+    return gemm_ws_host.launch_grouped_mm(a, b, ends, m_fastest=m_fastest, claim=claim)
 
 
 def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:

@@ -7,7 +7,8 @@ led by a pad row).
 
 ms are medians over the rounds of each round's median of --reps CUDA-event timed calls (the impls alternate round
 by round); TF/s count 2 * rows * K * N over the grouped rows. kosmos_m: kosmos's kernel with a group's m-tiles next
-to each other (grouped_mm(m_fastest=True)); kosmos_mc: the same with tiles claimed from a counter (claim=True).
+to each other (grouped_mm(m_fastest=True)); kosmos_mc: the same with tiles claimed from a counter (claim=True);
+kosmos_ms / kosmos_mcs: kosmos_m / kosmos_mc with each tile's rows split between two consumers (config 128x256s).
 """
 from __future__ import annotations
 
@@ -108,7 +109,10 @@ def main() -> int:
                 impls = {"torch": lambda: torch._grouped_mm(a, b, offs=ends),
                          "kosmos": lambda: grouped_mm(a, b, ends, out=out),
                          "kosmos_m": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True),
-                         "kosmos_mc": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True, claim=True)}
+                         "kosmos_mc": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True, claim=True),
+                         "kosmos_ms": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True, config="128x256s"),
+                         "kosmos_mcs": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True, claim=True,
+                                                          config="128x256s")}
             unknown = set(args.impls.split(",")) - set(impls)
             if unknown:
                 raise SystemExit(f"--impls: unknown {sorted(unknown)}; here: {sorted(impls)}")

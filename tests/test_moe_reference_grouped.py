@@ -367,17 +367,20 @@ def test_gpu_grouped_vs_loop_bf16(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="kosmos's grouped GEMM needs an sm_90 GPU")
-@pytest.mark.parametrize("mode", ["kosmos", "kosmos_m", "kosmos_mc"])
-def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch, mode):
-    """KOSMOS_GROUPED_MM=kosmos / kosmos_m / kosmos_mc: the ragged-M grouped matmuls (forward up / down, backward
-    d_act / d_x) run on kosmos's grouped GEMM, the weight gradients (below WIDE_EXPERT here) stay torch._grouped_mm's,
-    the report says so, and the results are those of torch._grouped_mm everywhere."""
+@pytest.mark.parametrize("mode,config", [("kosmos", "128x256"), ("kosmos_m", "128x256"), ("kosmos_mc", "128x256"),
+                                         ("kosmos_mc", "128x256s")])
+def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch, mode, config):
+    """KOSMOS_GROUPED_MM=kosmos / kosmos_m / kosmos_mc (and KOSMOS_GROUPED_CONFIG): the ragged-M grouped matmuls
+    (forward up / down, backward d_act / d_x) run on kosmos's grouped GEMM, the weight gradients (below WIDE_EXPERT
+    here) stay torch._grouped_mm's, the report says so, and the results are those of torch._grouped_mm
+    everywhere."""
     import kosmos
 
     case = _qwen3_30b_case()
     monkeypatch.setenv("KOSMOS_GROUPED_MM", "torch")
     want, _ = run(*case)
     monkeypatch.setenv("KOSMOS_GROUPED_MM", mode)
+    monkeypatch.setenv("KOSMOS_GROUPED_CONFIG", config)
     calls = []
     real = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -387,7 +390,7 @@ def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch, mode):
     assert len(calls) == 2  # the two weight gradients (ragged K)
     runs = kosmos.report().runtime
     impl = {"kosmos": "kosmos grouped_ws", "kosmos_m": "kosmos grouped_ws m-fastest",
-            "kosmos_mc": "kosmos grouped_ws m-fastest claimed"}[mode]
+            "kosmos_mc": "kosmos grouped_ws m-fastest claimed"}[mode] + ("" if config == "128x256" else " " + config)
     assert runs.get(("grouped_mm", impl, "supported")) == 6, runs
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -630,7 +633,7 @@ def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch):
     launched = []
     monkeypatch.setattr(gemm_ws_host, "grouped_unsupported", lambda a, b: None)
     monkeypatch.setattr(gemm_ws_host, "launch_grouped_mm",
-                        lambda a, b, ends, m_fastest, claim: launched.append((m_fastest, claim)))
+                        lambda a, b, ends, m_fastest, claim, config: launched.append((m_fastest, claim)))
     qwen3_235b_up = torch.empty(2, 4096, 3072, dtype=torch.bfloat16, device="meta")
     deepseek_v3_down = torch.empty(2, 7168, 2048, dtype=torch.bfloat16, device="meta")
     assert 4096 * 3072 < WIDE_EXPERT <= 7168 * 2048

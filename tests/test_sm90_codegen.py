@@ -68,23 +68,28 @@ def test_gemm_warp_specialized(name, b_trans):
     assert k.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("m_fastest,claim", [(False, False), (True, False), (True, True)],
-                         ids=["n_fastest", "m_fastest", "m_fastest_claimed"])
+@pytest.mark.parametrize("m_fastest,claim,config", [(False, False, "128x256"), (True, False, "128x256"),
+                                                     (True, True, "128x256"), (True, False, "128x256s"),
+                                                     (True, True, "128x256s")],
+                         ids=["n_fastest", "m_fastest", "m_fastest_claimed", "m_fastest_split",
+                              "m_fastest_claimed_split"])
 @pytest.mark.parametrize("b_trans", [True, False], ids=["nk", "kn"])
-def test_grouped_warp_specialized(b_trans, m_fastest, claim):
+def test_grouped_warp_specialized(b_trans, m_fastest, claim, config):
     from kosmos.kernels import gemm_ws_host, grouped_ws
 
     if gemm_ws_host.gluon_missing():
         pytest.skip(gemm_ws_host.gluon_missing())
     bm, bn, bk = gemm_ws_host.GROUPED_BLOCK
+    cfg = gemm_ws_host.GROUPED_CONFIGS[config]
+    rows = bm // cfg["NUM_CONSUMERS"]
     k = compile_sm90_gluon(grouped_ws.grouped_ws_kernel,
                            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest,
-                                PRODUCER_REGS=40, CONSUMER_WARPS=8, CLAIM=claim),
+                                CLAIM=claim, **cfg),
                            dict(c_ptr=BF, ends_ptr="i32", claim_ptr="i32"),
-                           dict(a_desc=(torch.bfloat16, (bm, bk)),
+                           dict(a_desc=(torch.bfloat16, (rows, bk)),
                                 b_desc=(torch.bfloat16, (bn, bk) if b_trans else (bk, bn)),
-                                c_desc=(torch.bfloat16, (bm, bn))),
-                           num_warps=8)
+                                c_desc=(torch.bfloat16, (rows, bn))),
+                           num_warps=cfg["CONSUMER_WARPS"])
     rep = _report(k)
     assert rep["spill_stores"] == 0, rep["text"]
     assert "setmaxnreg.dec" in k.asm["ptx"]  # the one-warp producer gives its registers back

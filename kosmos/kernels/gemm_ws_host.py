@@ -95,6 +95,14 @@ def launch(a, b, bias, c, cfg, lay, plan, ws, cnt, programs: int, **overrides) -
 
 GROUPED_BLOCK = (128, 256, 64)  # BLOCK_M, BLOCK_N, BLOCK_K: ws256_1c's tiles (gemm.CONFIGS), three stages
 
+# grouped_ws_kernel's launch configs: "128x256" one 8-warp consumer per tile; "128x256s" the tile's rows split
+# between two 4-warp consumers that release each stage on their own (no CTA barrier across the two warpgroups in
+# the K loop), the lower one skipping its MMAs where its rows are all past the group's end.
+GROUPED_CONFIGS = {
+    "128x256": dict(NUM_CONSUMERS=1, CONSUMER_WARPS=8, CONSUMER_REGS=0, PRODUCER_REGS=40),
+    "128x256s": dict(NUM_CONSUMERS=2, CONSUMER_WARPS=4, CONSUMER_REGS=232, PRODUCER_REGS=40),
+}
+
 
 def grouped_b_trans(b: torch.Tensor) -> Optional[bool]:
     """B [E, K, N] as grouped_ws_kernel reads it: False for N contiguous ([E, K, N] storage), True for K
@@ -126,21 +134,23 @@ def grouped_unsupported(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,
-               programs: Optional[int] = None, m_fastest: bool = False, claim: bool = False) -> torch.Tensor:
+               programs: Optional[int] = None, m_fastest: bool = False, claim: bool = False,
+               config: str = "128x256") -> torch.Tensor:
     """[S, N]: rows [ends[e-1], ends[e]) of A [S, K] times B[e] ([E, K, N]) for every group e; rows past ends[-1]
     are left unwritten. ends: int32 [E] on A's device, non-decreasing, ends[-1] <= S (not checked: no host
     sync). m_fastest: a group's tiles in column-block order (its m-tiles next to each other; else its column blocks
     next to each other). claim: programs take tiles from a counter as they get free (else tile t runs on program
-    t % programs), so the tiles at work at any moment are neighbours in that order. Raises ValueError where
-    grouped_unsupported says why."""
+    t % programs), so the tiles at work at any moment are neighbours in that order. config: a GROUPED_CONFIGS
+    entry. Raises ValueError where grouped_unsupported says why."""
     reason = grouped_unsupported(a, b)
     if reason is not None:
         raise ValueError(f"kosmos grouped_mm: {reason}")
-    return launch_grouped_mm(a, b, ends, out, programs, m_fastest, claim)
+    return launch_grouped_mm(a, b, ends, out, programs, m_fastest, claim, config)
 
 
 def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,
-                      programs: Optional[int] = None, m_fastest: bool = False, claim: bool = False) -> torch.Tensor:
+                      programs: Optional[int] = None, m_fastest: bool = False, claim: bool = False,
+                      config: str = "128x256") -> torch.Tensor:
     """grouped_mm for operands grouped_unsupported has already accepted (the ends / out checks still run)."""
     from kosmos.kernels.gemm import num_sms
     from kosmos.kernels.grouped_ws import grouped_ws_kernel
@@ -156,18 +166,20 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
         raise ValueError(f"kosmos grouped_mm: out {tuple(out.shape)} {out.dtype} strides {out.stride()} is not a "
                          f"16-byte aligned row-major [{S}, {N}] {a.dtype}")
     BM, BN, BK = GROUPED_BLOCK
+    cfg = GROUPED_CONFIGS[config]
+    rows = BM // cfg["NUM_CONSUMERS"]  # a consumer's rows of a tile
     b_trans = grouped_b_trans(b)
-    a_desc = _descriptor(a, [S, K], a.stride(0), [BM, BK])
+    a_desc = _descriptor(a, [S, K], a.stride(0), [rows, BK])
     b_desc = _descriptor(b, [E * N, K], K, [BN, BK]) if b_trans else _descriptor(b, [E * K, N], N, [BK, BN])
-    c_desc = _descriptor(out, [S, N], out.stride(0), [BM, BN])
+    c_desc = _descriptor(out, [S, N], out.stride(0), [rows, BN])
     if S == 0 or E == 0:
         return out
     ends = ends.contiguous()
     counter = torch.zeros(1, dtype=torch.int32, device=a.device) if claim else ends
     grouped_ws_kernel[(programs or num_sms(a.device),)](
         a_desc, b_desc, c_desc, out, out.stride(0), ends, counter, E, N, K,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest, PRODUCER_REGS=40,
-        CONSUMER_WARPS=8, CLAIM=claim, num_warps=8)
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest, CLAIM=claim,
+        TMA_STORE=True, num_warps=cfg["CONSUMER_WARPS"], **cfg)
     return out
 
 

@@ -89,9 +89,33 @@ def _publish(ids, empty, it, t, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _load_split_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles, it,
+                        NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, b_base):
+    """gemm_ws._load_k_range for consumers that split the tile's rows: consumer c's rows of each K block into its
+    own ring a_bufs[c] (the B block is shared); returns the stage counter after."""
+    ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
+    nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
+    for ki in range(0, k_tiles):
+        s = it % STAGES
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        for c in gl.static_range(NUM_CONSUMERS):
+            tma.async_copy_global_to_shared(a_desc, [off_m + c * ROWS, ki * BLOCK_K], ready.index(s),
+                                            a_bufs[c].index(s))
+        if B_TRANS:
+            tma.async_copy_global_to_shared(b_desc, [b_base + off_n, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
+        else:
+            tma.async_copy_global_to_shared(b_desc, [b_base + ki * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
+        it += 1
+    return it
+
+
+@gluon.jit
 def _grouped_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_ptr, ends_ptr, E, N, K,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                      B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr, CLAIM: gl.constexpr):
+                      B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr, CLAIM: gl.constexpr,
+                      NUM_CONSUMERS: gl.constexpr):
     """Loads every K block of the program's tiles into the stage ring: t = pid, pid + nprog, ..., or (CLAIM) the
     tiles it takes from the claim counter, each one's id published with its first block, then an id of -1 with
     no block."""
@@ -107,8 +131,12 @@ def _grouped_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_p
         b_base = e * (N if B_TRANS else K)
         if CLAIM:
             _publish(ids, empty, it, t, STAGES)
-        it = _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, 0, k_tiles, it,
-                           BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, b_base)
+        if NUM_CONSUMERS == 1:
+            it = _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, 0, k_tiles, it,
+                               BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, b_base)
+        else:
+            it = _load_split_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles, it,
+                                     NUM_CONSUMERS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, b_base)
         if CLAIM:
             t = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
         else:
@@ -132,18 +160,56 @@ def _next_claimed(ids, ready, it, ends_ptr, E, num_pid_n, e, start, end, tile0, 
 
 
 @gluon.jit
+def _store_rows(acc, c_ptr, ldc, off_m, off_n, end, N, layout: gl.constexpr, ROWS: gl.constexpr,
+                BLOCK_N: gl.constexpr):
+    """C[off_m:, off_n:] = acc for the rows before `end` and the columns before N, from registers."""
+    r = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    c = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    mask = (r < end)[:, None] & (c < N)[None, :]
+    gl.store(c_ptr + r.to(gl.int64)[:, None] * ldc + c[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _tile_rows(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, ldc, off_m, off_n, end, N, k_tiles, it,
+               acc_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               B_TRANS: gl.constexpr):
+    """ROWS rows of a tile from the ring's next k_tiles stages, stored: by TMA where they are all the group's, else
+    masked to the group's rows; returns the stage counter after."""
+    acc, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, 0, k_tiles, it, acc_layout, 0, 1, ROWS, ROWS,
+                           BLOCK_N, STAGES, B_TRANS)
+    if off_m + ROWS <= end:
+        _store_tile(acc, c_desc, c_smem, c_ptr, off_m, off_n, N, acc_layout, BLOCK_N, False)
+    else:
+        _store_rows(acc, c_ptr, ldc, off_m, off_n, end, N, acc_layout, ROWS, BLOCK_N)
+    return it
+
+
+@gluon.jit
+def _release_k_range(ready, empty, k_tiles, it, STAGES: gl.constexpr):
+    """Waits for and releases the next k_tiles stages without reading them (a consumer whose rows of the tile are
+    all past its group's end)."""
+    for ki in range(0, k_tiles):
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        mbarrier.arrive(empty.index(s))
+        it += 1
+    return it
+
+
+@gluon.jit
 def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c_ptr, ldc, ends_ptr, E, N, K,
                       CONSUMER_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr,
-                      CLAIM: gl.constexpr):
-    """MMAs and epilogue of the program's tiles, in the producer's order (CLAIM: the ids it publishes): a tile
-    inside its group by TMA, a group's last, partial tile by a store masked to the group's rows."""
+                      CLAIM: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr):
+    """MMAs and epilogue of rows [ROW0, ROW0 + ROWS) of the program's tiles (all BLOCK_M of them with one consumer;
+    a_bufs: its own ring of those rows' stages with several),
+    in the producer's order (CLAIM: the ids it publishes): rows inside the group by TMA, a group's last rows by a
+    store masked to the group. With several consumers, one whose rows are all past the group's end releases the
+    tile's stages without its MMAs."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
     if CLAIM:
         it = gl.program_id(0) * 0
         e, start, end, tile0 = _start_cursor(ends_ptr, it)
@@ -153,15 +219,16 @@ def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c
         t, e, start, end, tile0, it = _first_cursor(gl.program_id(0), ends_ptr, E, num_pid_n, BLOCK_M)
     while e < E:
         off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
-        acc, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, 0, k_tiles, it, acc_layout, 0, 1, BLOCK_M,
-                               BLOCK_M, BLOCK_N, STAGES, B_TRANS)
-        if off_m + BLOCK_M <= end:
-            _store_tile(acc, c_desc, c_smem, c_ptr, off_m, off_n, N, acc_layout, BLOCK_N, False)
+        off_m += ROW0
+        if ROWS < BLOCK_M:
+            if off_m < end:
+                it = _tile_rows(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, ldc, off_m, off_n, end, N,
+                                k_tiles, it, acc_layout, ROWS, BLOCK_N, STAGES, B_TRANS)
+            else:
+                it = _release_k_range(ready, empty, k_tiles, it, STAGES)
         else:
-            r = off_m + rows
-            c = off_n + cols
-            mask = (r < end)[:, None] & (c < N)[None, :]
-            gl.store(c_ptr + r.to(gl.int64)[:, None] * ldc + c[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+            it = _tile_rows(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, ldc, off_m, off_n, end, N,
+                            k_tiles, it, acc_layout, ROWS, BLOCK_N, STAGES, B_TRANS)
         if CLAIM:
             t, e, start, end, tile0 = _next_claimed(ids, ready, it, ends_ptr, E, num_pid_n, e, start, end, tile0,
                                                     CONSUMER_WARPS, BLOCK_M, STAGES)
@@ -175,28 +242,54 @@ def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c
 def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E, N, K,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                       B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                      CONSUMER_WARPS: gl.constexpr, CLAIM: gl.constexpr = False):
-    """C = A @ B[group] per row group; grid <= #SMs, num_warps = CONSUMER_WARPS (the consumer; a one-warp producer
-    is the worker). a_desc [S, K] block [BLOCK_M, BLOCK_K]; b_desc over B as 2D, [E * K, N] block [BLOCK_K,
-    BLOCK_N] or (B_TRANS) [E * N, K] block [BLOCK_N, BLOCK_K]; c_desc [S, N] block [BLOCK_M, BLOCK_N] (c_ptr, ldc:
-    the same C for the masked stores); claim_ptr: CLAIM's counter, zero at launch."""
+                      CONSUMER_WARPS: gl.constexpr, CLAIM: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 1,
+                      CONSUMER_REGS: gl.constexpr = 0):
+    """C = A @ B[group] per row group; grid <= #SMs, num_warps = CONSUMER_WARPS (the first consumer; a one-warp
+    producer is a worker). a_desc [S, K] block [BLOCK_M // NUM_CONSUMERS, BLOCK_K]; b_desc over B as 2D, [E * K, N] block [BLOCK_K, BLOCK_N] or (B_TRANS) [E * N, K] block
+    [BLOCK_N, BLOCK_K]; c_desc [S, N] block [BLOCK_M // NUM_CONSUMERS, BLOCK_N] (c_ptr, ldc: the same C for the
+    masked stores); claim_ptr: CLAIM's counter, zero at launch.
+
+    NUM_CONSUMERS > 1: that many consumers of CONSUMER_WARPS warps (CONSUMER_REGS registers for the workers among
+    them) split each tile's rows and release each stage on their own (the empty barriers count them all), so no CTA
+    barrier spans two warpgroups in the K loop. (Three such consumers of a 192-row tile would need 13 warps, which
+    triton pads to 16: 128 registers a thread, too few for a wgmma of 64 x 256.)"""
     dtype: gl.constexpr = a_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
+    if NUM_CONSUMERS == 1:
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    else:  # a ring per consumer (a slice of one ring's rows: a shape triton 3.6 refuses with three stages)
+        a_bufs = (gl.allocate_shared_memory(dtype, [STAGES, ROWS, BLOCK_K], a_desc.layout),
+                  gl.allocate_shared_memory(dtype, [STAGES, ROWS, BLOCK_K], a_desc.layout))
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, ROWS, BLOCK_N], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # unused with one consumer
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # unused: no turns taken
     ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # CLAIM's tile ids
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    gl.warp_specialize([
-        (_grouped_consumer, (a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c_ptr, ldc, ends_ptr, E, N,
-                             K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM)),
-        (_grouped_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_ptr, ends_ptr, E, N, K,
-                             BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM)),
-    ], [1], [PRODUCER_REGS])
+        mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
+    # (the argument tuples stay literal: a tuple assigned to a name turns its constexprs into tensors)
+    if NUM_CONSUMERS == 1:
+        gl.warp_specialize([
+            (_grouped_consumer, (a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(0), c_ptr, ldc,
+                                 ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS,
+                                 M_FASTEST, CLAIM, 0, ROWS)),
+            (_grouped_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_ptr, ends_ptr, E, N, K,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM, NUM_CONSUMERS)),
+        ], [1], [PRODUCER_REGS])
+    else:
+        gl.static_assert(NUM_CONSUMERS == 2, "one consumer or two")
+        gl.warp_specialize([
+            (_grouped_consumer, (a_bufs[0], b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(0), c_ptr,
+                                 ldc, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS,
+                                 M_FASTEST, CLAIM, 0, ROWS)),
+            (_grouped_consumer, (a_bufs[1], b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(1), c_ptr,
+                                 ldc, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS,
+                                 M_FASTEST, CLAIM, ROWS, ROWS)),
+            (_grouped_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_ptr, ends_ptr, E, N, K,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM, NUM_CONSUMERS)),
+        ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))

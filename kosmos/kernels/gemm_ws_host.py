@@ -179,7 +179,7 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
     grouped_ws_kernel[(programs or num_sms(a.device),)](
         a_desc, b_desc, c_desc, out, out.stride(0), ends, counter, E, N, K,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest, CLAIM=claim,
-        TMA_STORE=True, num_warps=cfg["CONSUMER_WARPS"], **cfg)
+        num_warps=cfg["CONSUMER_WARPS"], **cfg)
     return out
 
 

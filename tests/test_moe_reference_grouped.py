@@ -368,7 +368,7 @@ def test_gpu_grouped_vs_loop_bf16(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="kosmos's grouped GEMM needs an sm_90 GPU")
 @pytest.mark.parametrize("mode,config", [("kosmos", "128x256"), ("kosmos_m", "128x256"), ("kosmos_mc", "128x256"),
-                                         ("kosmos_mc", "128x256s")])
+                                         ("kosmos_mc", "128x256s"), ("kosmos", "128x256s")])
 def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch, mode, config):
     """KOSMOS_GROUPED_MM=kosmos / kosmos_m / kosmos_mc (and KOSMOS_GROUPED_CONFIG): the ragged-M grouped matmuls
     (forward up / down, backward d_act / d_x) run on kosmos's grouped GEMM, the weight gradients (below WIDE_EXPERT
@@ -390,7 +390,7 @@ def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch, mode, config):
     assert len(calls) == 2  # the two weight gradients (ragged K)
     runs = kosmos.report().runtime
     impl = {"kosmos": "kosmos grouped_ws", "kosmos_m": "kosmos grouped_ws m-fastest",
-            "kosmos_mc": "kosmos grouped_ws m-fastest claimed"}[mode] + ("" if config == "128x256" else " " + config)
+            "kosmos_mc": "kosmos grouped_ws m-fastest claimed"}[mode] + " " + config
     assert runs.get(("grouped_mm", impl, "supported")) == 6, runs
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, name
@@ -605,7 +605,8 @@ def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch):
     """The ragged-M grouped matmuls' kernel choice: KOSMOS_GROUPED_MM=torch, operands the kernel cannot take (here:
     no sm_90 GPU) and, on auto (the default), weights below WIDE_EXPERT per expert run torch._grouped_mm with the
     reason recorded; auto at WIDE_EXPERT and kosmos_m take kosmos's kernel with m-fastest tiles (auto claimed from
-    CLAIM_MIN_ROWS rows per expert, kosmos_mc always), kosmos with n-fastest ones; an unknown mode is an error."""
+    CLAIM_MIN_ROWS rows per expert, kosmos_mc always, both then with split consumers), kosmos with n-fastest ones;
+    KOSMOS_GROUPED_CONFIG overrides the tile config; an unknown mode or config is an error."""
     import kosmos
     from kosmos.kernels import gemm_ws_host
     from kosmos.kernels.moe_ops import WIDE_EXPERT, grouped_rows_mm
@@ -633,24 +634,33 @@ def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch):
     launched = []
     monkeypatch.setattr(gemm_ws_host, "grouped_unsupported", lambda a, b: None)
     monkeypatch.setattr(gemm_ws_host, "launch_grouped_mm",
-                        lambda a, b, ends, m_fastest, claim, config: launched.append((m_fastest, claim)))
+                        lambda a, b, ends, m_fastest, claim, config: launched.append((m_fastest, claim, config)))
     qwen3_235b_up = torch.empty(2, 4096, 3072, dtype=torch.bfloat16, device="meta")
     deepseek_v3_down = torch.empty(2, 7168, 2048, dtype=torch.bfloat16, device="meta")
     assert 4096 * 3072 < WIDE_EXPERT <= 7168 * 2048
     for mode in (None, "auto"):
         out, key = choice(mode, qwen3_235b_up)
         assert key[1] == "torch._grouped_mm" and "4096 x 3072 weight per expert" in key[2], key
-        assert choice(mode, deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest", "supported")
-    assert choice("kosmos_m", b)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest", "supported")
-    assert choice("kosmos_mc", b)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest claimed", "supported")
-    assert choice("kosmos", deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws", "supported")
-    assert launched == [(True, False), (True, False), (True, False), (True, True), (False, False)]
+        assert choice(mode, deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest 128x256", "supported")
+    assert choice("kosmos_m", b)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest 128x256", "supported")
+    assert choice("kosmos_mc", b)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest claimed 128x256s", "supported")
+    assert choice("kosmos", deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws 128x256", "supported")
+    assert launched == [(True, False, "128x256"), (True, False, "128x256"), (True, False, "128x256"),
+                        (True, True, "128x256s"), (False, False, "128x256")]
     # auto claims the tiles from CLAIM_MIN_ROWS rows per expert on average (10 rows in 2 groups: 5)
     monkeypatch.setattr(gemm_ws_host, "CLAIM_MIN_ROWS", 5)
-    assert choice("auto", deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest claimed", "supported")
+    assert choice("auto", deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest claimed 128x256s",
+                                                   "supported")
     monkeypatch.setattr(gemm_ws_host, "CLAIM_MIN_ROWS", 6)
-    assert choice("auto", deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest", "supported")
-    assert launched[-2:] == [(True, True), (True, False)]
+    assert choice("auto", deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest 128x256", "supported")
+    assert launched[-2:] == [(True, True, "128x256s"), (True, False, "128x256")]
+    # KOSMOS_GROUPED_CONFIG overrides the rule; an unknown mode or config is an error
+    monkeypatch.setenv("KOSMOS_GROUPED_CONFIG", "128x256s")
+    assert choice("kosmos_m", b)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest 128x256s", "supported")
+    monkeypatch.setenv("KOSMOS_GROUPED_CONFIG", "192x256")
+    with pytest.raises(ValueError, match="KOSMOS_GROUPED_CONFIG"):
+        choice("kosmos_m", b)
+    monkeypatch.delenv("KOSMOS_GROUPED_CONFIG")
     monkeypatch.setenv("KOSMOS_GROUPED_MM", "cutlass")
     with pytest.raises(ValueError, match="KOSMOS_GROUPED_MM"):
         grouped_rows_mm(a, b, ends)

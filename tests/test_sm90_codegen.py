@@ -7,6 +7,8 @@ on such an advisory, and on spills where the kernel has none today. No GPU invol
 """
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -314,3 +316,37 @@ def test_moe_forward_gather_up():
     ops = _sass_ops(k)
     assert "LDGSTS.E.BYPASS.128" in ops
     assert ops.count("HGMMA.64x256x16.F32.BF16") == 8
+
+
+@pytest.mark.parametrize("config", ["128x256", "128x256s"])
+@pytest.mark.parametrize("claim", [False, True])
+def test_grouped_launcher_arguments_are_the_kernels(monkeypatch, config, claim):
+    """launch_grouped_mm's keyword arguments are parameters of grouped_ws_kernel (no GPU: the launch is caught),
+    its descriptors' blocks are the config's, and every constexpr without a default is given."""
+    from kosmos.kernels import gemm_ws_host, grouped_ws
+
+    if gemm_ws_host.gluon_missing():
+        pytest.skip(gemm_ws_host.gluon_missing())
+    real = grouped_ws.grouped_ws_kernel
+    seen = {}
+
+    class Catch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(grid=grid, args=args, kwargs=kwargs)
+
+    monkeypatch.setattr(grouped_ws, "grouped_ws_kernel", Catch())
+    a = torch.zeros(300, 128, dtype=torch.bfloat16)
+    b = torch.zeros(3, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
+    ends = torch.tensor([100, 100, 300], dtype=torch.int32)
+    gemm_ws_host.launch_grouped_mm(a, b, ends, programs=5, m_fastest=True, claim=claim, config=config)
+    kwargs = dict(seen["kwargs"])
+    assert kwargs.pop("num_warps") == gemm_ws_host.GROUPED_CONFIGS[config]["CONSUMER_WARPS"]
+    names = real.arg_names
+    assert set(kwargs) <= set(names), set(kwargs) - set(names)
+    given = set(kwargs) | set(names[:len(seen["args"])])
+    defaults = {p.name for p in real.params if p.default is not inspect.Parameter.empty}
+    assert set(names) - given <= defaults, set(names) - given - defaults
+    rows = gemm_ws_host.GROUPED_BLOCK[0] // kwargs["NUM_CONSUMERS"]
+    a_desc, _, c_desc = seen["args"][:3]
+    assert list(a_desc.block_shape) == [rows, 64] and list(c_desc.block_shape) == [rows, 256]
+    assert kwargs["CLAIM"] == claim and seen["grid"] == (5,)

@@ -197,6 +197,13 @@ def grouped_claim(rows: int, groups: int) -> bool:
     return rows >= CLAIM_MIN_ROWS * max(groups, 1)
 
 
+def grouped_config(claim: bool) -> str:
+    """The GROUPED_CONFIGS entry the MoE ops run. With claimed tiles the split consumers were 1.9-5.3% faster on
+    DeepSeek-V3's four expert GEMMs at 257 and 513 rows per expert (and its layer's fwd+bwd 0.8% at T = 8192); in the
+    static order at 129 rows, 4-26% slower (RESULTS.md, thirty-sixth session)."""
+    return "128x256s" if claim else "128x256"
+
+
 # ------------------------------------------------------------------------------- ragged K (grouped_wgrad_ws.py)
 
 # BM, BN, BK, stages, warps a consumer, consumers. The "pp" ones have two consumers taking turns by tile, so one's

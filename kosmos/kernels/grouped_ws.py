@@ -24,6 +24,16 @@ from DRAM for 15 GB of weights (ncu, thirty-third session). Claimed, the tiles a
 order: 18.3 GB, and the four expert GEMMs 2.2-9% faster, ahead of CUTLASS's. The producer publishes each claimed
 tile's id in a shared-memory slot of the tile's first stage before that stage's ready barrier (whose arrival
 releases the store), and -1 with a bare arrival when the counter runs past the tiles.
+
+NUM_CONSUMERS = 2 (config 128x256s): two 4-warp consumers take 64 rows of each tile each, from their own A rings, and
+release each stage on their own (the empty barriers count both). With one 8-warp consumer a stage goes back by one
+thread after a CTA barrier over both warpgroups, every K step; ncu put 38% of the up GEMM's warp stalls at CTA
+barriers (thirty-third session). Split, the barrier spans one warpgroup, and the lower consumer skips its MMAs where
+its rows are all past the group's end. With claimed tiles DeepSeek-V3's four expert GEMMs ran 1.9-5.3% faster at
+257 and 513 rows per expert; in the static order at 129 rows, 4-26% slower (thirty-sixth session), so the MoE ops
+split with claimed tiles only (gemm_ws_host.grouped_config). Half-height last tiles in one consumer (a [4, 2]
+warp layout) were no faster with claimed tiles and up to 23% slower static: a tile's loads, not its MMAs, set its
+time (results/grouped_half_tail_s36.patch.txt).
 """
 from __future__ import annotations
 

@@ -409,21 +409,22 @@ def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Opt
     read once for all its rows while it is in L2, and from gemm_ws_host.CLAIM_MIN_ROWS rows per expert the tiles
     claimed from a counter, so the ones sharing a weight block run together), kosmos_m (m-fastest, not claimed, for
     every size), kosmos_mc (m-fastest and claimed for every size), kosmos (a group's column blocks next to each
-    other), torch (never); KOSMOS_GROUPED_CONFIG: the gemm_ws_host.GROUPED_CONFIGS entry (default 128x256). The
-    report records which ran and why; the bits are the same."""
+    other), torch (never); KOSMOS_GROUPED_CONFIG: the gemm_ws_host.GROUPED_CONFIGS entry (default: split consumers
+    with claimed tiles, gemm_ws_host.grouped_config). The report records which ran and why; the bits are the
+    same."""
     from kosmos.kernels import gemm_ws_host
 
     mode = _kosmos_mode("grouped_mm", "KOSMOS_GROUPED_MM", ("auto", "kosmos", "kosmos_m", "kosmos_mc", "torch"),
                         lambda: gemm_ws_host.grouped_unsupported(a, b), b.shape[1:], "weight", "kosmos_m")
     if mode is None:
         return None
-    config = os.environ.get("KOSMOS_GROUPED_CONFIG", "128x256")
-    if config not in gemm_ws_host.GROUPED_CONFIGS:
-        raise ValueError(f"KOSMOS_GROUPED_CONFIG={config!r}: expected one of {sorted(gemm_ws_host.GROUPED_CONFIGS)}")
     m_fastest = mode != "kosmos"
     claim = mode == "kosmos_mc" or (mode == "auto" and gemm_ws_host.grouped_claim(a.shape[0], ends.numel()))
-    record_run("grouped_mm", f"kosmos grouped_ws{' m-fastest' if m_fastest else ''}{' claimed' if claim else ''}"
-               f"{'' if config == '128x256' else ' ' + config}", "supported")
+    config = os.environ.get("KOSMOS_GROUPED_CONFIG") or gemm_ws_host.grouped_config(claim)
+    if config not in gemm_ws_host.GROUPED_CONFIGS:
+        raise ValueError(f"KOSMOS_GROUPED_CONFIG={config!r}: expected one of {sorted(gemm_ws_host.GROUPED_CONFIGS)}")
+    record_run("grouped_mm", f"kosmos grouped_ws{' m-fastest' if m_fastest else ''}{' claimed' if claim else ''} "
+               f"{config}", "supported")
     return gemm_ws_host.launch_grouped_mm(a, b, ends, m_fastest=m_fastest, claim=claim, config=config)
 
 

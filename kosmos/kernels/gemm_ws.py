@@ -69,12 +69,18 @@ def _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k0
         else:
             a_dst = a_bufs.index(s).slice(0, ROWS)
         tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready.index(s), a_dst)
-        if B_TRANS:
-            tma.async_copy_global_to_shared(b_desc, [b_base + off_n, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
-        else:
-            tma.async_copy_global_to_shared(b_desc, [b_base + ki * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
+        _load_b_block(b_desc, b_bufs, ready, s, b_base, off_n, ki, BLOCK_K, B_TRANS)
         it += 1
     return it
+
+
+@gluon.jit
+def _load_b_block(b_desc, b_bufs, ready, s, b_base, off_n, ki, BLOCK_K: gl.constexpr, B_TRANS: gl.constexpr):
+    """B's K block ki at column off_n (rows from b_base on in b_desc) into stage s, on its ready barrier."""
+    if B_TRANS:
+        tma.async_copy_global_to_shared(b_desc, [b_base + off_n, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
+    else:
+        tma.async_copy_global_to_shared(b_desc, [b_base + ki * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
 
 
 @gluon.jit

@@ -41,7 +41,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from kosmos.kernels.gemm_ws import _load_k_range, _mma_k_range, _store_tile
+from kosmos.kernels.gemm_ws import _load_b_block, _load_k_range, _mma_k_range, _store_tile
 
 
 @gluon.jit
@@ -113,10 +113,7 @@ def _load_split_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off
         for c in gl.static_range(NUM_CONSUMERS):
             tma.async_copy_global_to_shared(a_desc, [off_m + c * ROWS, ki * BLOCK_K], ready.index(s),
                                             a_bufs[c].index(s))
-        if B_TRANS:
-            tma.async_copy_global_to_shared(b_desc, [b_base + off_n, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
-        else:
-            tma.async_copy_global_to_shared(b_desc, [b_base + ki * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
+        _load_b_block(b_desc, b_bufs, ready, s, b_base, off_n, ki, BLOCK_K, B_TRANS)
         it += 1
     return it
 

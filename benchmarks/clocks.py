@@ -8,7 +8,8 @@ Each workload is the forward's two expert GEMMs (up, then down) over T * k rows:
 one [rows, I] x [I, H] matmul, as moe.py's dense column: one expert's weight for every row), bmm (cuBLAS batched
 over every expert's weight, rows / E rows each: the same weight traffic as the grouped GEMMs without their ragged
 groups), torch._grouped_mm (CUTLASS) and kosmos's grouped_ws with m-fastest tiles (kosmos_mc: claimed from a
-counter), rows grouped as grouped_mm.py's. After 2 s of heat, calls run back to back for --seconds while
+counter; kosmos_mcs: claimed, each tile's rows split between two consumers, what the MoE ops run), rows grouped as
+grouped_mm.py's. After 2 s of heat, calls run back to back for --seconds while
 `nvidia-smi -lms` samples the SM clock and the board power; the samples of the first 0.5 s are dropped. Printed: ms a
 call (device time over the window), TF/s, median SM clock and power, and TF/s per GHz of SM clock (the work a clock
 cycle does).
@@ -100,6 +101,9 @@ def workloads(layer: str, T: int, k: int = 8):
                               grouped_mm(act, down_w, ends, out=down_out, m_fastest=True)), flops(S)),
         "kosmos_mc": (lambda: (grouped_mm(x, up_w, ends, out=up_out, m_fastest=True, claim=True),
                                grouped_mm(act, down_w, ends, out=down_out, m_fastest=True, claim=True)), flops(S)),
+        "kosmos_mcs": (lambda: (grouped_mm(x, up_w, ends, out=up_out, m_fastest=True, claim=True, config="128x256s"),
+                                grouped_mm(act, down_w, ends, out=down_out, m_fastest=True, claim=True,
+                                           config="128x256s")), flops(S)),
     }
 
 

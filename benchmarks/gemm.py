@@ -27,7 +27,7 @@ from kosmos.kernels.gemm import CONFIGS, check_operands, default_config, gemm, n
 from measure import bench_graph, rel_err
 
 MS = (4096, 8192, 16384, 32768)
-DEFAULT_SWEEP = "table,bn256,ws128_1c,ws128_1c_ht,ws256_1c"
+DEFAULT_SWEEP = "table,bn256,ws128_1c,ws128_1c_ht,ws256_1c,ws256_2s"
 
 
 def projection_shapes(tps=(8, 4)):

@@ -120,7 +120,7 @@ def test_fp32_tf32_switch(b_trans):
     assert err_tf32 > 10 * err_ieee, (err_tf32, err_ieee)  # TF32 really ran when allowed, and only then
 
 
-@pytest.mark.parametrize("config", [None, "bn128", "bn256_nested", "ws128", "ws128_1c_sk", "ws128_1c_ht"])
+@pytest.mark.parametrize("config", [None, "bn128", "bn256_nested", "ws128", "ws128_1c_sk", "ws128_1c_ht", "ws256_2s"])
 def test_bit_identical_over_grid_sizes(config):
     M, N, K = 1536, 1792, 2056
     cfg = CONFIGS[config] if config else select_config(M, N, K, torch.bfloat16)

@@ -43,7 +43,8 @@ def test_gemm_core():
     assert rep["spill_stores"] == 0, rep["text"]
 
 
-@pytest.mark.parametrize("name", ["ws128", "ws64_1c", "ws128_1c", "ws256_1c", "ws128_1c_sk", "ws128_1c_ht"])
+@pytest.mark.parametrize("name", ["ws128", "ws64_1c", "ws128_1c", "ws256_1c", "ws128_1c_sk", "ws128_1c_ht",
+                                  "ws256_2s"])
 @pytest.mark.parametrize("b_trans", [True, False], ids=["w.t()", "kn"])
 def test_gemm_warp_specialized(name, b_trans):
     from kosmos.kernels import gemm, gemm_ws, gemm_ws_host
@@ -52,15 +53,16 @@ def test_gemm_warp_specialized(name, b_trans):
         pytest.skip(gemm_ws_host.gluon_missing())
     cfg = gemm.CONFIGS[name]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    rows = bm // 2 if cfg.ws_split else bm
     k = compile_sm90_gluon(gemm_ws.gemm_ws_kernel,
                            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                                 B_TRANS=b_trans, HAS_BIAS=True, STREAM_K=cfg.stream_k, HALF_TAIL=cfg.half_tail,
                                 CONSUMER_REGS=232, PRODUCER_REGS=40, NUM_CONSUMERS=cfg.ws_consumers,
-                                PRODUCER_WARPS=1, CONSUMER_WARPS=cfg.num_warps),
+                                PRODUCER_WARPS=1, CONSUMER_WARPS=cfg.num_warps, ROW_SPLIT=cfg.ws_split),
                            dict(bias_ptr=BF, ws_ptr="fp32", cnt_ptr="i32"),
-                           dict(a_desc=(torch.bfloat16, (bm, bk)), a_half_desc=(torch.bfloat16, (bm // 2, bk)),
+                           dict(a_desc=(torch.bfloat16, (rows, bk)), a_half_desc=(torch.bfloat16, (bm // 2, bk)),
                                 b_desc=(torch.bfloat16, (bn, bk) if b_trans else (bk, bn)),
-                                c_desc=(torch.bfloat16, (bm, bn)), c_half_desc=(torch.bfloat16, (bm // 2, bn))),
+                                c_desc=(torch.bfloat16, (rows, bn)), c_half_desc=(torch.bfloat16, (bm // 2, bn))),
                            num_warps=cfg.num_warps)
     rep = _report(k)
     assert rep["spill_stores"] == 0, rep["text"]
@@ -350,3 +352,38 @@ def test_grouped_launcher_arguments_are_the_kernels(monkeypatch, config, claim):
     a_desc, _, c_desc = seen["args"][:3]
     assert list(a_desc.block_shape) == [rows, 64] and list(c_desc.block_shape) == [rows, 256]
     assert kwargs["CLAIM"] == claim and seen["grid"] == (5,)
+
+
+@pytest.mark.parametrize("name", ["ws256_1c", "ws256_2s", "ws128", "ws128_1c_ht"])
+def test_gemm_ws_launcher_arguments_are_the_kernels(monkeypatch, name):
+    """gemm_ws_host.launch's keyword arguments are parameters of gemm_ws_kernel (no GPU: the launch is caught) and
+    its A / C descriptors hold a consumer's rows of a tile."""
+    from kosmos.kernels import gemm, gemm_ws, gemm_ws_host
+
+    if gemm_ws_host.gluon_missing():
+        pytest.skip(gemm_ws_host.gluon_missing())
+    real = gemm_ws.gemm_ws_kernel
+    seen = {}
+
+    class Catch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs)
+
+    monkeypatch.setattr(gemm_ws, "gemm_ws_kernel", Catch())
+    cfg = gemm.CONFIGS[name]
+    a = torch.zeros(1000, 512, dtype=torch.bfloat16)
+    w = torch.zeros(768, 512, dtype=torch.bfloat16)
+    c = torch.empty(1000, 768, dtype=torch.bfloat16)
+    lay = gemm.GemmLayout(1000, 768, 512, a_lead=512, b_trans=True, b_lead=512)  # check_operands wants CUDA
+    plan = gemm.plan_gemm(lay.M, lay.N, lay.K, cfg, 132)
+    gemm_ws_host.launch(a, w.t(), None, c, cfg, lay, plan, c, c, 4)
+    kwargs = dict(seen["kwargs"])
+    assert kwargs.pop("num_warps") == cfg.num_warps
+    names = real.arg_names
+    assert set(kwargs) <= set(names), set(kwargs) - set(names)
+    defaults = {p.name for p in real.params if p.default is not inspect.Parameter.empty}
+    assert set(names) - set(kwargs) - set(names[:len(seen["args"])]) <= defaults
+    rows = cfg.block_m // 2 if cfg.ws_split else cfg.block_m
+    a_desc, c_desc = seen["args"][0], seen["args"][3]
+    assert list(a_desc.block_shape) == [rows, cfg.block_k] and list(c_desc.block_shape) == [rows, cfg.block_n]
+    assert kwargs["ROW_SPLIT"] == cfg.ws_split

@@ -6,7 +6,10 @@ stalls the MMA warps, which only wait on data. The MMA side is one consumer (NUM
 tiles, 8 for 128x256) or two 4-warp consumers in ping-pong (NUM_CONSUMERS=2) taking alternate tiles of the
 program's static tile list, their K loops in turns so one consumer's epilogue runs beside the other's MMAs.
 Measured on the H200 (benchmarks/RESULTS.md, eleventh session) the one-consumer kernels are the faster ones, and
-gemm.plain_gemm_config picks between them.
+gemm.plain_gemm_config picks between them. ROW_SPLIT (config ws256_2s, opt-in, not yet timed): two 4-warp
+consumers split every 128x256 tile's rows and release each stage on their own, without the CTA barrier over both
+warpgroups that the 8-warp consumer takes every K step; in the grouped GEMM (grouped_ws.py) that was 1.9-5.3%
+faster (thirty-sixth session).
 
 C = A @ B (+ bias): A [M, K] row-major; B either [N, K] (a Linear weight, B_TRANS) or [K, N]; bf16 / fp16 in,
 fp32 accumulate. Whole tiles come first (gemm.plan_gemm's dp_tiles); the ragged last wave (one consumer only) is
@@ -84,20 +87,47 @@ def _load_b_block(b_desc, b_bufs, ready, s, b_base, off_n, ki, BLOCK_K: gl.const
 
 
 @gluon.jit
+def _load_split_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles, it,
+                        NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, b_base):
+    """_load_k_range for consumers that split the tile's rows (ROW_SPLIT here, grouped_ws's split consumers): K
+    blocks [0, k_tiles), consumer c's rows of each into its own ring a_bufs[c] (the B block is shared); returns the
+    stage counter after."""
+    ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
+    nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
+    for ki in range(0, k_tiles):
+        s = it % STAGES
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        for c in gl.static_range(NUM_CONSUMERS):
+            tma.async_copy_global_to_shared(a_desc, [off_m + c * ROWS, ki * BLOCK_K], ready.index(s),
+                                            a_bufs[c].index(s))
+        _load_b_block(b_desc, b_bufs, ready, s, b_base, off_n, ki, BLOCK_K, B_TRANS)
+        it += 1
+    return it
+
+
+@gluon.jit
 def _producer(a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K,
               num_dp_tiles, num_sk_tiles, sk_iters, sk_workers,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-              STAGES: gl.constexpr, B_TRANS: gl.constexpr, STREAM_K: gl.constexpr, HALF_TAIL: gl.constexpr):
+              STAGES: gl.constexpr, B_TRANS: gl.constexpr, STREAM_K: gl.constexpr, HALF_TAIL: gl.constexpr,
+              ROW_SPLIT: gl.constexpr):
     """Loads every K block of this program's work, in the consumers' order, into the stage ring (waits for a
-    stage's release): whole tiles, then its half tiles or stream-K ranges."""
+    stage's release): whole tiles, then its half tiles or stream-K ranges. ROW_SPLIT: a_bufs is the two
+    consumers' A rings, each fed its half of a tile's rows."""
     num_pid_m = gl.cdiv(M, BLOCK_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
     it = 0
     for tile_id in range(gl.program_id(0), num_dp_tiles, gl.num_programs(0)):
         pid_m, pid_n = _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        it = _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, pid_m * BLOCK_M, pid_n * BLOCK_N, 0,
-                           k_tiles, it, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, 0)
+        if ROW_SPLIT:
+            it = _load_split_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, pid_m * BLOCK_M,
+                                     pid_n * BLOCK_N, k_tiles, it, 2, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, 0)
+        else:
+            it = _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, pid_m * BLOCK_M, pid_n * BLOCK_N, 0,
+                               k_tiles, it, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, 0)
     if HALF_TAIL:
         for u in range(gl.program_id(0), 2 * (num_pid_m * num_pid_n - num_dp_tiles), gl.num_programs(0)):
             pid_m, pid_n = _tile_of(num_dp_tiles + u // 2, num_pid_m, num_pid_n, GROUP_M)
@@ -257,14 +287,41 @@ def _consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, 
 
 
 @gluon.jit
+def _row_consumer(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, bias_ptr, M, N, K, num_dp_tiles,
+                  ROW0: gl.constexpr, CONSUMER_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
+                  HAS_BIAS: gl.constexpr):
+    """ROW_SPLIT's consumer: rows [ROW0, ROW0 + BLOCK_M / 2) of every whole tile of the program, from its own ring
+    a_bufs; it releases each stage itself (the empty barriers count both consumers)."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    it = 0
+    for tile_id in range(gl.program_id(0), num_dp_tiles, gl.num_programs(0)):
+        pid_m, pid_n = _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        acc, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, 0, k_tiles, it, acc_layout, 0, 1, ROWS, ROWS,
+                               BLOCK_N, STAGES, B_TRANS)
+        _store_tile(acc, c_desc, c_smem, bias_ptr, pid_m * BLOCK_M + ROW0, pid_n * BLOCK_N, N, acc_layout, BLOCK_N,
+                    HAS_BIAS)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
 def gemm_ws_kernel(a_desc, a_half_desc, b_desc, c_desc, c_half_desc, bias_ptr, ws_ptr, cnt_ptr, M, N, K,
                    num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                    STAGES: gl.constexpr, B_TRANS: gl.constexpr, HAS_BIAS: gl.constexpr, STREAM_K: gl.constexpr,
                    HALF_TAIL: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                   PRODUCER_WARPS: gl.constexpr, CONSUMER_WARPS: gl.constexpr):
+                   PRODUCER_WARPS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, ROW_SPLIT: gl.constexpr = False):
     """C = A @ B (+ bias); grid <= #SMs, num_warps = 4 (consumer 0; consumer 1 and the producer are workers).
+
+    ROW_SPLIT (two 4-warp consumers, whole tiles only): the consumers take the upper and lower half of every tile's
+    rows, each from its own ring of A blocks, and release each stage on their own, so no CTA barrier spans both
+    warpgroups in the K loop (grouped_ws's split consumers); a_desc / c_desc blocks of BLOCK_M / 2 rows.
 
     a_desc block [BLOCK_M, BLOCK_K]; b_desc block [BLOCK_N, BLOCK_K] (B_TRANS) or [BLOCK_K, BLOCK_N]; c_desc block
     [BLOCK_M, BLOCK_N]; a_half_desc / c_half_desc: the same with BLOCK_M / 2 rows (HALF_TAIL). Ragged edges are
@@ -274,44 +331,70 @@ def gemm_ws_kernel(a_desc, a_half_desc, b_desc, c_desc, c_half_desc, bias_ptr, w
     """
     gl.static_assert(not (STREAM_K and HALF_TAIL), "one tail schedule per launch")
     dtype: gl.constexpr = a_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_smems = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, BLOCK_N], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(turn.index(i), count=1)
-    # (the argument tuples stay literal: a tuple assigned to a name turns its constexprs into tensors)
-    if NUM_CONSUMERS == 2:
-        gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr,
-                          cnt_ptr, M, N, K, num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib,
-                          0, 2, 4, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K,
-                          HALF_TAIL)),
-            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr,
-                          cnt_ptr, M, N, K, num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib,
-                          1, 2, 4, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K,
-                          HALF_TAIL)),
-            (_producer, (a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, num_dp_tiles,
+    if ROW_SPLIT:
+        gl.static_assert(NUM_CONSUMERS == 2 and not STREAM_K and not HALF_TAIL, "row split: two consumers, no tail")
+        a_rings = (gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M // 2, BLOCK_K], a_desc.layout),
+                   gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M // 2, BLOCK_K], a_desc.layout))
+        b_ring = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        c_halves = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, BLOCK_N], c_desc.layout)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(free.index(i), count=2)
+        gl.warp_specialize([  # (`full` stands in for the turns' barriers, which the split consumers do not use)
+            (_row_consumer, (a_rings[0], b_ring, full, free, full, c_desc, c_halves.index(0), bias_ptr, M, N, K,
+                             num_dp_tiles, 0, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS,
+                             HAS_BIAS)),
+            (_row_consumer, (a_rings[1], b_ring, full, free, full, c_desc, c_halves.index(1), bias_ptr, M, N, K,
+                             num_dp_tiles, BLOCK_M // 2, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                             B_TRANS, HAS_BIAS)),
+            (_producer, (a_desc, a_half_desc, b_desc, a_rings, b_ring, full, free, M, N, K, num_dp_tiles,
                          num_sk_tiles, sk_iters, sk_workers, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS,
-                         STREAM_K, HALF_TAIL)),
-        ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+                         STREAM_K, HALF_TAIL, ROW_SPLIT)),
+        ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(full.index(i))
+            mbarrier.invalidate(free.index(i))
     else:
-        gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr,
-                          cnt_ptr, M, N, K, num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib,
-                          0, 1, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K,
-                          HALF_TAIL)),
-            (_producer, (a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, num_dp_tiles,
-                         num_sk_tiles, sk_iters, sk_workers, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS,
-                         STREAM_K, HALF_TAIL)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
-    for i in gl.static_range(2):
-        mbarrier.invalidate(turn.index(i))
+        a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        c_smems = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, BLOCK_M, BLOCK_N], c_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        # (the argument tuples stay literal: a tuple assigned to a name turns its constexprs into tensors)
+        if NUM_CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr,
+                              cnt_ptr, M, N, K, num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib,
+                              0, 2, 4, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K,
+                              HALF_TAIL)),
+                (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr,
+                              cnt_ptr, M, N, K, num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib,
+                              1, 2, 4, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS, STREAM_K,
+                              HALF_TAIL)),
+                (_producer, (a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, num_dp_tiles,
+                             num_sk_tiles, sk_iters, sk_workers, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS,
+                             STREAM_K, HALF_TAIL, ROW_SPLIT)),
+            ], [4, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (a_bufs, b_bufs, ready, empty, turn, c_desc, c_half_desc, c_smems, bias_ptr, ws_ptr,
+                              cnt_ptr, M, N, K, num_dp_tiles, num_sk_tiles, sk_iters, sk_workers, sk_max_contrib,
+                              0, 1, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS, HAS_BIAS,
+                              STREAM_K, HALF_TAIL)),
+                (_producer, (a_desc, a_half_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, num_dp_tiles,
+                             num_sk_tiles, sk_iters, sk_workers, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, B_TRANS,
+                             STREAM_K, HALF_TAIL, ROW_SPLIT)),
+            ], [PRODUCER_WARPS], [PRODUCER_REGS])
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+        for i in gl.static_range(2):
+            mbarrier.invalidate(turn.index(i))

@@ -69,12 +69,13 @@ def launch(a, b, bias, c, cfg, lay, plan, ws, cnt, programs: int, **overrides) -
 
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     M, N, K = lay.M, lay.N, lay.K
-    a_desc = _descriptor(a, [M, K], lay.a_lead, [BM, BK])
+    rows = BM // 2 if cfg.ws_split else BM  # a consumer's rows of a tile
+    a_desc = _descriptor(a, [M, K], lay.a_lead, [rows, BK])
     if lay.b_trans:
         b_desc = _descriptor(b, [N, K], lay.b_lead, [BN, BK])
     else:
         b_desc = _descriptor(b, [K, N], lay.b_lead, [BK, BN])
-    c_desc = _descriptor(c, [M, N], c.stride(0), [BM, BN])
+    c_desc = _descriptor(c, [M, N], c.stride(0), [rows, BN])
     if plan.half_tiles:
         a_half_desc = _descriptor(a, [M, K], lay.a_lead, [BM // 2, BK])
         c_half_desc = _descriptor(c, [M, N], c.stride(0), [BM // 2, BN])
@@ -85,7 +86,7 @@ def launch(a, b, bias, c, cfg, lay, plan, ws, cnt, programs: int, **overrides) -
                                 plan.dp_tiles, plan.sk_tiles, plan.sk_iters, plan.sk_workers, plan.sk_max_contrib,
                                 BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=cfg.group_m, STAGES=cfg.num_stages,
                                 B_TRANS=lay.b_trans, HAS_BIAS=bias is not None, STREAM_K=plan.sk_tiles > 0,
-                                HALF_TAIL=plan.half_tiles > 0,
+                                HALF_TAIL=plan.half_tiles > 0, ROW_SPLIT=cfg.ws_split,
                                 **{**dict(CONSUMER_REGS=232, PRODUCER_REGS=40, NUM_CONSUMERS=cfg.ws_consumers,
                                           PRODUCER_WARPS=1, CONSUMER_WARPS=cfg.num_warps), **overrides},
                                 num_warps=cfg.num_warps)

@@ -41,7 +41,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from kosmos.kernels.gemm_ws import _load_b_block, _load_k_range, _mma_k_range, _store_tile
+from kosmos.kernels.gemm_ws import _load_k_range, _load_split_k_range, _mma_k_range, _store_tile
 
 
 @gluon.jit
@@ -96,26 +96,6 @@ def _publish(ids, empty, it, t, STAGES: gl.constexpr):
     s = it % STAGES
     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
     ids.index(s).store(gl.full([1], t, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0])))
-
-
-@gluon.jit
-def _load_split_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles, it,
-                        NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, b_base):
-    """gemm_ws._load_k_range for consumers that split the tile's rows: consumer c's rows of each K block into its
-    own ring a_bufs[c] (the B block is shared); returns the stage counter after."""
-    ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
-    nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
-    for ki in range(0, k_tiles):
-        s = it % STAGES
-        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), nbytes)
-        for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(a_desc, [off_m + c * ROWS, ki * BLOCK_K], ready.index(s),
-                                            a_bufs[c].index(s))
-        _load_b_block(b_desc, b_bufs, ready, s, b_base, off_n, ki, BLOCK_K, B_TRANS)
-        it += 1
-    return it
 
 
 @gluon.jit
@@ -252,12 +232,13 @@ def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E
                       CONSUMER_WARPS: gl.constexpr, CLAIM: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 1,
                       CONSUMER_REGS: gl.constexpr = 0):
     """C = A @ B[group] per row group; grid <= #SMs, num_warps = CONSUMER_WARPS (the first consumer; a one-warp
-    producer is a worker). a_desc [S, K] block [BLOCK_M // NUM_CONSUMERS, BLOCK_K]; b_desc over B as 2D, [E * K, N] block [BLOCK_K, BLOCK_N] or (B_TRANS) [E * N, K] block
-    [BLOCK_N, BLOCK_K]; c_desc [S, N] block [BLOCK_M // NUM_CONSUMERS, BLOCK_N] (c_ptr, ldc: the same C for the
-    masked stores); claim_ptr: CLAIM's counter, zero at launch.
+    producer is a worker). a_desc [S, K] block [BLOCK_M // NUM_CONSUMERS, BLOCK_K]; b_desc over B as 2D, [E * K,
+    N] block [BLOCK_K, BLOCK_N] or (B_TRANS) [E * N, K] block [BLOCK_N, BLOCK_K]; c_desc [S, N] block
+    [BLOCK_M // NUM_CONSUMERS, BLOCK_N] (c_ptr, ldc: the same C for the masked stores); claim_ptr: CLAIM's counter,
+    zero at launch.
 
-    NUM_CONSUMERS > 1: that many consumers of CONSUMER_WARPS warps (CONSUMER_REGS registers for the workers among
-    them) split each tile's rows and release each stage on their own (the empty barriers count them all), so no CTA
+    NUM_CONSUMERS = 2: two consumers of CONSUMER_WARPS warps (CONSUMER_REGS registers for the worker among them)
+    split each tile's rows and release each stage on their own (the empty barriers count both), so no CTA
     barrier spans two warpgroups in the K loop. (Three such consumers of a 192-row tile would need 13 warps, which
     triton pads to 16: 128 registers a thread, too few for a wgmma of 64 x 256.)"""
     dtype: gl.constexpr = a_desc.dtype

@@ -320,6 +320,31 @@ def test_moe_forward_gather_up():
     assert ops.count("HGMMA.64x256x16.F32.BF16") == 8
 
 
+def _catch_launch(monkeypatch, module, kernel_name: str) -> dict:
+    """Replaces module.kernel_name by a stand-in whose `[grid](*args, **kwargs)` records its call (no GPU)."""
+    seen = {}
+
+    class Catch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(grid=grid, args=args, kwargs=kwargs)
+
+    monkeypatch.setattr(module, kernel_name, Catch())
+    return seen
+
+
+def _kernel_keywords(kernel, seen: dict) -> dict:
+    """The recorded call's keyword arguments (num_warps taken out), checked against the kernel's parameters: each
+    one of them, and every parameter without a default given, positionally or by keyword."""
+    kwargs = dict(seen["kwargs"])
+    kwargs.pop("num_warps")
+    names = kernel.arg_names
+    assert set(kwargs) <= set(names), set(kwargs) - set(names)
+    defaults = {p.name for p in kernel.params if p.default is not inspect.Parameter.empty}
+    missing = set(names) - set(kwargs) - set(names[:len(seen["args"])])
+    assert missing <= defaults, missing - defaults
+    return kwargs
+
+
 @pytest.mark.parametrize("config", ["128x256", "128x256s"])
 @pytest.mark.parametrize("claim", [False, True])
 def test_grouped_launcher_arguments_are_the_kernels(monkeypatch, config, claim):
@@ -330,24 +355,13 @@ def test_grouped_launcher_arguments_are_the_kernels(monkeypatch, config, claim):
     if gemm_ws_host.gluon_missing():
         pytest.skip(gemm_ws_host.gluon_missing())
     real = grouped_ws.grouped_ws_kernel
-    seen = {}
-
-    class Catch:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.update(grid=grid, args=args, kwargs=kwargs)
-
-    monkeypatch.setattr(grouped_ws, "grouped_ws_kernel", Catch())
+    seen = _catch_launch(monkeypatch, grouped_ws, "grouped_ws_kernel")
     a = torch.zeros(300, 128, dtype=torch.bfloat16)
     b = torch.zeros(3, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
     ends = torch.tensor([100, 100, 300], dtype=torch.int32)
     gemm_ws_host.launch_grouped_mm(a, b, ends, programs=5, m_fastest=True, claim=claim, config=config)
-    kwargs = dict(seen["kwargs"])
-    assert kwargs.pop("num_warps") == gemm_ws_host.GROUPED_CONFIGS[config]["CONSUMER_WARPS"]
-    names = real.arg_names
-    assert set(kwargs) <= set(names), set(kwargs) - set(names)
-    given = set(kwargs) | set(names[:len(seen["args"])])
-    defaults = {p.name for p in real.params if p.default is not inspect.Parameter.empty}
-    assert set(names) - given <= defaults, set(names) - given - defaults
+    assert seen["kwargs"]["num_warps"] == gemm_ws_host.GROUPED_CONFIGS[config]["CONSUMER_WARPS"]
+    kwargs = _kernel_keywords(real, seen)
     rows = gemm_ws_host.GROUPED_BLOCK[0] // kwargs["NUM_CONSUMERS"]
     a_desc, _, c_desc = seen["args"][:3]
     assert list(a_desc.block_shape) == [rows, 64] and list(c_desc.block_shape) == [rows, 256]
@@ -363,13 +377,7 @@ def test_gemm_ws_launcher_arguments_are_the_kernels(monkeypatch, name):
     if gemm_ws_host.gluon_missing():
         pytest.skip(gemm_ws_host.gluon_missing())
     real = gemm_ws.gemm_ws_kernel
-    seen = {}
-
-    class Catch:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs)
-
-    monkeypatch.setattr(gemm_ws, "gemm_ws_kernel", Catch())
+    seen = _catch_launch(monkeypatch, gemm_ws, "gemm_ws_kernel")
     cfg = gemm.CONFIGS[name]
     a = torch.zeros(1000, 512, dtype=torch.bfloat16)
     w = torch.zeros(768, 512, dtype=torch.bfloat16)
@@ -377,12 +385,8 @@ def test_gemm_ws_launcher_arguments_are_the_kernels(monkeypatch, name):
     lay = gemm.GemmLayout(1000, 768, 512, a_lead=512, b_trans=True, b_lead=512)  # check_operands wants CUDA
     plan = gemm.plan_gemm(lay.M, lay.N, lay.K, cfg, 132)
     gemm_ws_host.launch(a, w.t(), None, c, cfg, lay, plan, c, c, 4)
-    kwargs = dict(seen["kwargs"])
-    assert kwargs.pop("num_warps") == cfg.num_warps
-    names = real.arg_names
-    assert set(kwargs) <= set(names), set(kwargs) - set(names)
-    defaults = {p.name for p in real.params if p.default is not inspect.Parameter.empty}
-    assert set(names) - set(kwargs) - set(names[:len(seen["args"])]) <= defaults
+    assert seen["kwargs"]["num_warps"] == cfg.num_warps
+    kwargs = _kernel_keywords(real, seen)
     rows = cfg.block_m // 2 if cfg.ws_split else cfg.block_m
     a_desc, c_desc = seen["args"][0], seen["args"][3]
     assert list(a_desc.block_shape) == [rows, cfg.block_k] and list(c_desc.block_shape) == [rows, cfg.block_n]

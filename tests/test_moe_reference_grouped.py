@@ -605,11 +605,12 @@ def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch):
     """The ragged-M grouped matmuls' kernel choice: KOSMOS_GROUPED_MM=torch, operands the kernel cannot take (here:
     no sm_90 GPU) and, on auto (the default), weights below WIDE_EXPERT per expert run torch._grouped_mm with the
     reason recorded; auto at WIDE_EXPERT and kosmos_m take kosmos's kernel with m-fastest tiles (auto claimed from
-    CLAIM_MIN_ROWS rows per expert, kosmos_mc always, both then with split consumers), kosmos with n-fastest ones;
+    CLAIM_MIN_ROWS rows per expert, and then from CLAIMED_EXPERT elements, kosmos_mc always, both then with split
+    consumers), kosmos with n-fastest ones;
     KOSMOS_GROUPED_CONFIG overrides the tile config; an unknown mode or config is an error."""
     import kosmos
     from kosmos.kernels import gemm_ws_host
-    from kosmos.kernels.moe_ops import WIDE_EXPERT, grouped_rows_mm
+    from kosmos.kernels.moe_ops import CLAIMED_EXPERT, WIDE_EXPERT, grouped_rows_mm
 
     a = torch.randn(10, 64, dtype=torch.bfloat16)
     b = torch.randn(2, 64, 32, dtype=torch.bfloat16)
@@ -648,12 +649,19 @@ def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch):
     assert launched == [(True, False, "128x256"), (True, False, "128x256"), (True, False, "128x256"),
                         (True, True, "128x256s"), (False, False, "128x256")]
     # auto claims the tiles from CLAIM_MIN_ROWS rows per expert on average (10 rows in 2 groups: 5)
+    # and with claimed tiles takes kosmos's kernel from CLAIMED_EXPERT elements (Qwen3-235B's, not Qwen3-30B-A3B's)
+    qwen3_30b_up = torch.empty(2, 2048, 1536, dtype=torch.bfloat16, device="meta")
+    assert 2048 * 1536 < CLAIMED_EXPERT <= 4096 * 1536
     monkeypatch.setattr(gemm_ws_host, "CLAIM_MIN_ROWS", 5)
-    assert choice("auto", deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest claimed 128x256s",
-                                                   "supported")
+    claimed_split = ("grouped_mm", "kosmos grouped_ws m-fastest claimed 128x256s", "supported")
+    assert choice("auto", deepseek_v3_down)[1] == claimed_split
+    assert choice("auto", qwen3_235b_up)[1] == claimed_split
+    out, key = choice("auto", qwen3_30b_up)
+    assert key[1] == "torch._grouped_mm" and f"{CLAIMED_EXPERT} elements here" in key[2], key
     monkeypatch.setattr(gemm_ws_host, "CLAIM_MIN_ROWS", 6)
     assert choice("auto", deepseek_v3_down)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest 128x256", "supported")
-    assert launched[-2:] == [(True, True, "128x256s"), (True, False, "128x256")]
+    assert choice("auto", qwen3_235b_up)[1][1] == "torch._grouped_mm"
+    assert launched[-3:] == [(True, True, "128x256s"), (True, True, "128x256s"), (True, False, "128x256")]
     # KOSMOS_GROUPED_CONFIG overrides the rule; an unknown mode or config is an error
     monkeypatch.setenv("KOSMOS_GROUPED_CONFIG", "128x256s")
     assert choice("kosmos_m", b)[1] == ("grouped_mm", "kosmos grouped_ws m-fastest 128x256s", "supported")

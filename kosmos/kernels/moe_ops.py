@@ -380,22 +380,26 @@ def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, 
 # in the ragged-M grouped matmuls (with m-fastest tiles), its weight gradient in the ragged-K ones. Measured on the
 # H200 (RESULTS.md, thirtieth and thirty-first sessions): DeepSeek-V3's layer (4096 x 7168 and 7168 x 2048 per
 # expert) is faster fwd+bwd at T = 4096 and no slower at 16384; on Qwen3-235B's (at most 3072 x 4096) torch's
-# CUTLASS kernels are as fast or faster (its weights stay in L2 in any tile order), so they run there.
+# CUTLASS kernels are as fast or faster in the static tile order (its weights stay in L2 in any tile order).
 WIDE_EXPERT = 14_000_000
+# With claimed tiles (gemm_ws_host.grouped_claim) the ragged-M ones take kosmos's kernel from this size: Qwen3-235B's
+# (6.3M and 12.6M elements) ran its layer's fwd+bwd 3% faster at T = 8192 (RESULTS.md, thirty-seventh session);
+# Qwen3-30B-A3B's (at most 3.1M) are faster on torch's kernel at every T.
+CLAIMED_EXPERT = 6_000_000
 
 
 def _kosmos_mode(op: str, env: str, modes: tuple[str, ...], unsupported, shape: tuple[int, int],
-                 what: str, every_size: str) -> Optional[str]:
+                 what: str, every_size: str, min_elements: int = WIDE_EXPERT) -> Optional[str]:
     """env's mode (one of modes: "auto", the default, takes kosmos's kernel for per-expert matrices `shape` of
-    WIDE_EXPERT elements or more; "torch" never) when kosmos's kernel for `op` runs, else None with the run of
+    min_elements or more; "torch" never) when kosmos's kernel for `op` runs, else None with the run of
     torch._grouped_mm and its reason recorded. unsupported(): why the kernel cannot take the operands, or None."""
     mode = os.environ.get(env, "auto")
     if mode not in modes:
         raise ValueError(f"{env}={mode!r}: expected {', '.join(modes[:-1])} or {modes[-1]}")
     reason = f"{env}=torch" if mode == "torch" else unsupported()
-    if reason is None and mode == "auto" and shape[0] * shape[1] < WIDE_EXPERT:
+    if reason is None and mode == "auto" and shape[0] * shape[1] < min_elements:
         reason = (f"a {shape[0]} x {shape[1]} {what} per expert, where torch's kernel is as fast (kosmos's from "
-                  f"{WIDE_EXPERT} elements; {env}={every_size} for every size)")
+                  f"{min_elements} elements here; {env}={every_size} for every size)")
     if reason is not None:
         record_run(op, "torch._grouped_mm", reason)
         return None
@@ -407,19 +411,22 @@ def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Opt
     operands and pays off, else None (the caller runs torch._grouped_mm). KOSMOS_GROUPED_MM: auto (default: weights
     of WIDE_EXPERT elements or more per expert, with a group's m-tiles next to each other, so an expert's weight is
     read once for all its rows while it is in L2, and from gemm_ws_host.CLAIM_MIN_ROWS rows per expert the tiles
-    claimed from a counter, so the ones sharing a weight block run together), kosmos_m (m-fastest, not claimed, for
+    claimed from a counter, so the ones sharing a weight block run together, and then from CLAIMED_EXPERT
+    elements), kosmos_m (m-fastest, not claimed, for
     every size), kosmos_mc (m-fastest and claimed for every size), kosmos (a group's column blocks next to each
     other), torch (never); KOSMOS_GROUPED_CONFIG: the gemm_ws_host.GROUPED_CONFIGS entry (default: split consumers
     with claimed tiles, gemm_ws_host.grouped_config). The report records which ran and why; the bits are the
     same."""
     from kosmos.kernels import gemm_ws_host
 
+    claimed = gemm_ws_host.grouped_claim(a.shape[0], ends.numel())
     mode = _kosmos_mode("grouped_mm", "KOSMOS_GROUPED_MM", ("auto", "kosmos", "kosmos_m", "kosmos_mc", "torch"),
-                        lambda: gemm_ws_host.grouped_unsupported(a, b), b.shape[1:], "weight", "kosmos_m")
+                        lambda: gemm_ws_host.grouped_unsupported(a, b), b.shape[1:], "weight", "kosmos_m",
+                        CLAIMED_EXPERT if claimed else WIDE_EXPERT)
     if mode is None:
         return None
     m_fastest = mode != "kosmos"
-    claim = mode == "kosmos_mc" or (mode == "auto" and gemm_ws_host.grouped_claim(a.shape[0], ends.numel()))
+    claim = mode == "kosmos_mc" or (mode == "auto" and claimed)
     config = os.environ.get("KOSMOS_GROUPED_CONFIG") or gemm_ws_host.grouped_config(claim)
     if config not in gemm_ws_host.GROUPED_CONFIGS:
         raise ValueError(f"KOSMOS_GROUPED_CONFIG={config!r}: expected one of {sorted(gemm_ws_host.GROUPED_CONFIGS)}")

@@ -9,13 +9,14 @@ from typing import Optional
 
 
 def ptxas_path() -> Optional[str]:
-    """triton's bundled ptxas, or None (a triton without the NVIDIA backend)."""
+    """The ptxas triton runs for sm_90 (its bundled one; from triton 3.9 the CUDA 13 build), or None (a triton
+    without the NVIDIA backend)."""
     try:
-        import triton.backends.nvidia as nv
+        from triton.backends.nvidia.compiler import get_ptxas
     except ImportError:
         return None
-    path = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
-    return path if os.path.exists(path) else None
+    path = get_ptxas(90).path
+    return path if path and os.path.exists(path) else None
 
 
 def _source(source_cls, fn, constexprs: dict, pointers: dict, descriptors: dict, descriptor_type, int64=(),

@@ -28,6 +28,10 @@ from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warp
 
 # the CTA-wide barrier: gl.thread_barrier on triton 3.6, gl.barrier on 3.8 (torch 2.14's triton), which dropped the other
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+# the TMA copies: async_copy_global_to_shared / async_copy_shared_to_global up to triton 3.8, async_load / async_store
+# from 3.9 (where the old names raise); the same arguments
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 
 @gluon.jit
@@ -71,7 +75,7 @@ def _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k0
             a_dst = a_bufs.index(s)
         else:
             a_dst = a_bufs.index(s).slice(0, ROWS)
-        tma.async_copy_global_to_shared(a_desc, [off_m, ki * BLOCK_K], ready.index(s), a_dst)
+        _tma_load(a_desc, [off_m, ki * BLOCK_K], ready.index(s), a_dst)
         _load_b_block(b_desc, b_bufs, ready, s, b_base, off_n, ki, BLOCK_K, B_TRANS)
         it += 1
     return it
@@ -81,9 +85,9 @@ def _load_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k0
 def _load_b_block(b_desc, b_bufs, ready, s, b_base, off_n, ki, BLOCK_K: gl.constexpr, B_TRANS: gl.constexpr):
     """B's K block ki at column off_n (rows from b_base on in b_desc) into stage s, on its ready barrier."""
     if B_TRANS:
-        tma.async_copy_global_to_shared(b_desc, [b_base + off_n, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
+        _tma_load(b_desc, [b_base + off_n, ki * BLOCK_K], ready.index(s), b_bufs.index(s))
     else:
-        tma.async_copy_global_to_shared(b_desc, [b_base + ki * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
+        _tma_load(b_desc, [b_base + ki * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
 
 
 @gluon.jit
@@ -100,8 +104,7 @@ def _load_split_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), nbytes)
         for c in gl.static_range(NUM_CONSUMERS):
-            tma.async_copy_global_to_shared(a_desc, [off_m + c * ROWS, ki * BLOCK_K], ready.index(s),
-                                            a_bufs[c].index(s))
+            _tma_load(a_desc, [off_m + c * ROWS, ki * BLOCK_K], ready.index(s), a_bufs[c].index(s))
         _load_b_block(b_desc, b_bufs, ready, s, b_base, off_n, ki, BLOCK_K, B_TRANS)
         it += 1
     return it
@@ -191,7 +194,7 @@ def _store_tile(acc, c_desc, c_smem, bias_ptr, off_m, off_n, N, acc_layout: gl.c
     tma.store_wait(pendings=0)  # the previous tile's store has read c_smem
     c_smem.store(acc.to(c_desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_smem)
+    _tma_store(c_desc, [off_m, off_n], c_smem)
 
 
 @gluon.jit

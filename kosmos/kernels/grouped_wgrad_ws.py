@@ -23,7 +23,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-from kosmos.kernels.gemm_ws import _cta_barrier
+from kosmos.kernels.gemm_ws import _cta_barrier, _tma_load, _tma_store
 
 
 @gluon.jit
@@ -59,8 +59,8 @@ def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M
             # a fresh barrier counts as released once: the first lap waits on the parity before phase 0
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(a_desc, [k, off_m], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(b_desc, [k, off_n], ready.index(s), b_bufs.index(s))
+            _tma_load(a_desc, [k, off_m], ready.index(s), a_bufs.index(s))
+            _tma_load(b_desc, [k, off_n], ready.index(s), b_bufs.index(s))
             it += 1
 
 
@@ -109,7 +109,7 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, turns, c_desc, c_smem, ends_pt
             tma.store_wait(pendings=0)  # this consumer's previous store has read c_smem
             c_smem.store(acc.to(c_desc.dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [e * M + off_m, off_n], c_smem)
+            _tma_store(c_desc, [e * M + off_m, off_n], c_smem)
         else:
             it += gl.cdiv(gl.maximum(end - start, 0), BLOCK_K)
         j += 1

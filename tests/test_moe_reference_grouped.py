@@ -342,7 +342,7 @@ def _qwen3_30b_case(seed=0):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10),
                     reason="torch._grouped_mm's bf16 kernel needs sm90/sm100")
 def test_gpu_grouped_vs_loop_bf16(monkeypatch):
-    monkeypatch.delenv("KOSMOS_GROUPED_MM", raising=False)  # auto: below WIDE_EXPERT, torch._grouped_mm everywhere
+    monkeypatch.delenv("KOSMOS_GROUPED_MM", raising=False)  # auto: below CLAIMED_EXPERT, torch._grouped_mm everywhere
     case = _qwen3_30b_case()
     calls = []
     real = torch._grouped_mm

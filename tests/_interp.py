@@ -15,10 +15,35 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def mend_interpreter_splat() -> None:
+    """Makes triton's interpreter splat a scalar into data of the block's element type. Its comparisons keep the
+    operands' integer type on the scalar they return (triton 3.6 to 3.9), so `block_mask & (b < n)` splats the flag
+    into int32 data, and from triton 3.9 the interpreter's masked loads and stores (C++) reject a mask that is not
+    bool. Compiled kernels are not affected: there the flag is an i1."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    if getattr(builder, "_kosmos_splat_mended", False):
+        return
+    splat = builder.create_splat
+
+    def create_splat(self, ret_ty, arg):
+        if isinstance(arg.dtype, tl.block_type):
+            return splat(self, ret_ty, arg)
+        dtype = interp._get_np_dtype(ret_ty.scalar)
+        return interp.TensorHandle(np.full(ret_ty.shape, arg.data, dtype=dtype), ret_ty.scalar)
+
+    builder.create_splat = create_splat
+    builder._kosmos_splat_mended = True
+
+
 def run_cases(cases, namespace: dict, *args) -> None:
     """namespace["case_" + name](*args) for each case (or the names given on the command line); prints
     "REPORT {name: {ok, info | error, tb}}"."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    mend_interpreter_splat()
     report = {}
     for name in sys.argv[1:] or cases:
         t0 = time.perf_counter()

@@ -380,11 +380,11 @@ def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, 
 # in the ragged-M grouped matmuls (with m-fastest tiles), its weight gradient in the ragged-K ones. Measured on the
 # H200 (RESULTS.md, thirtieth and thirty-first sessions): DeepSeek-V3's layer (4096 x 7168 and 7168 x 2048 per
 # expert) is faster fwd+bwd at T = 4096 and no slower at 16384; on Qwen3-235B's (at most 3072 x 4096) torch's
-# CUTLASS kernels are as fast or faster in the static tile order (its weights stay in L2 in any tile order).
+# CUTLASS kernels are as fast or faster in the static tile order.
 WIDE_EXPERT = 14_000_000
 # With claimed tiles (gemm_ws_host.grouped_claim) the ragged-M ones take kosmos's kernel from this size: Qwen3-235B's
-# (6.3M and 12.6M elements) ran its layer's fwd+bwd 3% faster at T = 8192 (RESULTS.md, thirty-seventh session);
-# Qwen3-30B-A3B's (at most 3.1M) are faster on torch's kernel at every T.
+# (6.3M and 12.6M elements) ran its layer's fwd+bwd 2.7-7% faster at T = 4096 to 16384 (RESULTS.md, thirty-seventh
+# session); Qwen3-30B-A3B's (at most 3.1M) are faster on torch's kernel.
 CLAIMED_EXPERT = 6_000_000
 
 
@@ -412,9 +412,8 @@ def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Opt
     of WIDE_EXPERT elements or more per expert, with a group's m-tiles next to each other, so an expert's weight is
     read once for all its rows while it is in L2, and from gemm_ws_host.CLAIM_MIN_ROWS rows per expert the tiles
     claimed from a counter, so the ones sharing a weight block run together, and then from CLAIMED_EXPERT
-    elements), kosmos_m (m-fastest, not claimed, for
-    every size), kosmos_mc (m-fastest and claimed for every size), kosmos (a group's column blocks next to each
-    other), torch (never); KOSMOS_GROUPED_CONFIG: the gemm_ws_host.GROUPED_CONFIGS entry (default: split consumers
+    elements), kosmos_m (m-fastest, not claimed, for every size), kosmos_mc (m-fastest and claimed for every size),
+    kosmos (a group's column blocks next to each other), torch (never); KOSMOS_GROUPED_CONFIG: the gemm_ws_host.GROUPED_CONFIGS entry (default: split consumers
     with claimed tiles, gemm_ws_host.grouped_config). The report records which ran and why; the bits are the
     same."""
     from kosmos.kernels import gemm_ws_host

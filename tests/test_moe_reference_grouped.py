@@ -606,8 +606,8 @@ def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch):
     no sm_90 GPU) and, on auto (the default), weights below WIDE_EXPERT per expert run torch._grouped_mm with the
     reason recorded; auto at WIDE_EXPERT and kosmos_m take kosmos's kernel with m-fastest tiles (auto claimed from
     CLAIM_MIN_ROWS rows per expert, and then from CLAIMED_EXPERT elements, kosmos_mc always, both then with split
-    consumers), kosmos with n-fastest ones;
-    KOSMOS_GROUPED_CONFIG overrides the tile config; an unknown mode or config is an error."""
+    consumers), kosmos with n-fastest ones; KOSMOS_GROUPED_CONFIG overrides the tile config; an unknown mode or
+    config is an error."""
     import kosmos
     from kosmos.kernels import gemm_ws_host
     from kosmos.kernels.moe_ops import CLAIMED_EXPERT, WIDE_EXPERT, grouped_rows_mm

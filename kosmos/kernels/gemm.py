@@ -291,7 +291,8 @@ CONFIGS: dict[str, GemmConfig] = {
                            stream_k=False, kernel="ws", ws_consumers=1),
     # ws256_1c's tiles with their rows split between two 4-warp consumers that release each stage on their own
     # (no CTA barrier over both warpgroups per K step): 1.9-5.3% faster in the grouped GEMM (grouped_ws, claimed
-    # tiles, thirty-sixth session). Not yet timed here: opt-in until benchmarks/gemm.py has run it.
+    # tiles, thirty-sixth session). Here (benchmarks/gemm.py --sweep, one round, thirty-seventh session) 1.022x
+    # cuBLAS at the median against ws256_1c's 1.011x: opt-in until more rounds say which shapes it should take.
     "ws256_2s": GemmConfig(128, 256, 64, num_stages=3, num_warps=4, epilogue_subtile=False, flatten=False,
                            stream_k=False, kernel="ws", ws_consumers=2, ws_split=True),
     # fp32 operands, TF32 tensor cores: 4-byte elements, so smaller K blocks fit the shared memory.

@@ -6,10 +6,10 @@ stalls the MMA warps, which only wait on data. The MMA side is one consumer (NUM
 tiles, 8 for 128x256) or two 4-warp consumers in ping-pong (NUM_CONSUMERS=2) taking alternate tiles of the
 program's static tile list, their K loops in turns so one consumer's epilogue runs beside the other's MMAs.
 Measured on the H200 (benchmarks/RESULTS.md, eleventh session) the one-consumer kernels are the faster ones, and
-gemm.plain_gemm_config picks between them. ROW_SPLIT (config ws256_2s, opt-in, not yet timed): two 4-warp
-consumers split every 128x256 tile's rows and release each stage on their own, without the CTA barrier over both
-warpgroups that the 8-warp consumer takes every K step; in the grouped GEMM (grouped_ws.py) that was 1.9-5.3%
-faster (thirty-sixth session).
+gemm.plain_gemm_config picks between them. ROW_SPLIT (config ws256_2s, opt-in): two 4-warp consumers split every
+128x256 tile's rows and release each stage on their own, without the CTA barrier over both warpgroups that the
+8-warp consumer takes every K step; in the grouped GEMM (grouped_ws.py) that was 1.9-5.3% faster (thirty-sixth
+session), here 1% at the median of one sweep (thirty-seventh).
 
 C = A @ B (+ bias): A [M, K] row-major; B either [N, K] (a Linear weight, B_TRANS) or [K, N]; bf16 / fp16 in,
 fp32 accumulate. Whole tiles come first (gemm.plan_gemm's dp_tiles); the ragged last wave (one consumer only) is

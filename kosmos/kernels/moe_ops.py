@@ -413,9 +413,9 @@ def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Opt
     read once for all its rows while it is in L2, and from gemm_ws_host.CLAIM_MIN_ROWS rows per expert the tiles
     claimed from a counter, so the ones sharing a weight block run together, and then from CLAIMED_EXPERT
     elements), kosmos_m (m-fastest, not claimed, for every size), kosmos_mc (m-fastest and claimed for every size),
-    kosmos (a group's column blocks next to each other), torch (never); KOSMOS_GROUPED_CONFIG: the gemm_ws_host.GROUPED_CONFIGS entry (default: split consumers
-    with claimed tiles, gemm_ws_host.grouped_config). The report records which ran and why; the bits are the
-    same."""
+    kosmos (a group's column blocks next to each other), torch (never); KOSMOS_GROUPED_CONFIG: the
+    gemm_ws_host.GROUPED_CONFIGS entry (default: split consumers with claimed tiles, gemm_ws_host.grouped_config).
+    The report records which ran and why; the bits are the same."""
     from kosmos.kernels import gemm_ws_host
 
     claimed = gemm_ws_host.grouped_claim(a.shape[0], ends.numel())

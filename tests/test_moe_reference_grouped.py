@@ -492,6 +492,31 @@ def test_gpu_row_kernels_match_torch(monkeypatch, S, I, w_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("S,I,dtype", [(4099, 768, torch.bfloat16), (777, 1536, torch.float32), (16, 40, torch.float16),
+                                       (1, 8, torch.bfloat16)])
+def test_gpu_swiglu_rows_match_torch(monkeypatch, S, I, dtype):
+    """The forward's SwiGLU row kernel (moe_math._act on CUDA) vs torch's silu and mul on the same rows: 16-bit
+    results equal but for a few values next to a rounding boundary (silu's exp), fp32 within its last bits."""
+    import kosmos.kernels.fused_ops  # noqa: F401  (registers the row kernels)
+    from kosmos.ops import dispatch
+
+    assert dispatch.row_kernel("moe_swiglu_rows", torch.device("cuda")) is not None
+    g = torch.Generator(device="cuda").manual_seed(S)
+    h = (4 * torch.randn(S, 2 * I, device="cuda", generator=g)).to(dtype)
+    got = moe_math._act(h, dtype)
+    monkeypatch.setattr(dispatch, "row_kernel", lambda name, device: None)
+    want = moe_math._act(h, dtype)
+    assert got.shape == want.shape == (S, I) and got.dtype == want.dtype
+    differ = (got != want).sum().item()
+    err = ((got.double() - want.double()).abs() / want.double().abs().clamp(min=1e-30)).max().item()
+    if dtype == torch.float32:
+        assert err <= 1e-6, (differ, err)
+    else:
+        assert differ <= max(S * I // 1000, 1) and err <= 2.0 ** -7, (differ, err)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10),
                     reason="torch._grouped_mm's bf16 kernel needs sm90/sm100")
 def test_gpu_saved_up_backward_bf16():

@@ -456,6 +456,7 @@ def register() -> None:
     dispatch.register_fused("moe_layer", why_not_moe_layer, run_moe_layer, _layer_note)
     dispatch.register_fused("moe_layer_backward", why_not_moe_layer_backward, run_moe_layer_backward,
                             _layer_backward_note)
+    dispatch.register_row_kernel("moe_swiglu_rows", moe_rows.swiglu_rows)
     dispatch.register_row_kernel("moe_swiglu_rows_backward", moe_rows.swiglu_rows_backward)
     dispatch.register_row_kernel("moe_fold", moe_rows.fold)
     dispatch.register_row_kernel("moe_gather_rows", moe_rows.gather_rows)

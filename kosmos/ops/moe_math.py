@@ -280,6 +280,14 @@ def _swiglu(h, down_dtype):
     return gate, up, silu, (silu * up).to(down_dtype)
 
 
+def _act(h, down_dtype):
+    """`_swiglu`'s act alone, by the registered row kernel on CUDA (one pass over h; torch's silu and mul make two)."""
+    kernel = dispatch.row_kernel("moe_swiglu_rows", h.device)
+    if kernel is not None and h.is_contiguous():
+        return kernel(h, down_dtype)
+    return _swiglu(h, down_dtype)[3]
+
+
 def _experts_up(x, gate_up_proj, groups, down_dtype):
     """Up projection and SwiGLU of the grouped rows x (as `_swiglu`)."""
     return _swiglu(_grouped_mm(x, gate_up_proj.transpose(1, 2), groups), down_dtype)
@@ -408,7 +416,7 @@ def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation:
     rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
     x = rows.gather(hidden, dtype=gate_up_proj.dtype)
     up = _grouped_mm(x, gate_up_proj.transpose(1, 2), rows.groups)
-    act = _swiglu(up, down_proj.dtype)[3]
+    act = _act(up, down_proj.dtype)
     y = _grouped_mm(act, down_proj.transpose(1, 2), rows.groups)
     res = (_fold_weighted(y, rows.row, topk_weights).to(hidden.dtype), rows.counts.to(torch.int32))
     return res + (up,) if return_up else res
@@ -535,7 +543,7 @@ def ep_experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activati
     num_tokens, top_k = topk_ids.shape
     plan = _EpPlan(topk_ids, gate_up_proj.shape[0], group_name, ep_world_size)
     x = plan.dispatch(hidden[plan.token].to(gate_up_proj.dtype))
-    act = _experts_up(x, gate_up_proj, plan.groups, down_proj.dtype)[3]
+    act = _act(_grouped_mm(x, gate_up_proj.transpose(1, 2), plan.groups), down_proj.dtype)
     y_home = plan.combine(_grouped_mm(act, down_proj.transpose(1, 2), plan.groups))  # [T * k, H], sorted-pair order
     return _fold_weighted(y_home, plan.row, topk_weights).to(hidden.dtype), plan.global_counts()
 

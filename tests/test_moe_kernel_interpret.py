@@ -606,12 +606,46 @@ def test_default_fp32_router_rule(monkeypatch):
 
     monkeypatch.delenv("KOSMOS_FUSED_MOE", raising=False)
     h16 = torch.randn(4, 32, dtype=torch.bfloat16)
-    assert moe_ops._default_forward_reason(h16, torch.float32, None) is None
-    assert moe_ops._default_forward_reason(h16, torch.float32, "ep") == moe_ops.FP32_ROUTER_REASON
-    assert moe_ops._default_forward_reason(h16, None, "ep") is None
-    assert moe_ops._default_forward_reason(h16.float(), torch.float32, "ep") is None
+    gate_up = torch.empty(8, 64, 32, dtype=torch.bfloat16)
+    assert moe_ops._default_forward_reason(h16, torch.float32, None, gate_up, 2) is None
+    assert moe_ops._default_forward_reason(h16, torch.float32, "ep", gate_up, 2) == moe_ops.FP32_ROUTER_REASON
+    assert moe_ops._default_forward_reason(h16, None, "ep", gate_up, 2) is None
+    assert moe_ops._default_forward_reason(h16.float(), torch.float32, "ep", gate_up, 2) is None
     monkeypatch.setenv("KOSMOS_FUSED_MOE", "forward")
-    assert moe_ops._default_forward_reason(h16, torch.float32, "ep") is None
+    assert moe_ops._default_forward_reason(h16, torch.float32, "ep", gate_up, 2) is None
+
+
+def test_default_reference_forward_for_kosmos_grouped_experts(monkeypatch):
+    """Unset env, no EP: experts whose grouped matmuls take kosmos's grouped GEMM (grouped_rows_mm's auto rule) run
+    the reference forward, with the reason; others, KOSMOS_GROUPED_MM=torch, 32-bit weights, a device the Gluon
+    kernel cannot run on, and KOSMOS_FUSED_MOE set keep the fused one. Shapes on the meta device (no memory)."""
+    from kosmos.kernels import gemm_ws_host, moe_ops
+
+    monkeypatch.delenv("KOSMOS_FUSED_MOE", raising=False)
+    monkeypatch.delenv("KOSMOS_GROUPED_MM", raising=False)
+    monkeypatch.setattr(gemm_ws_host, "cannot_run_here", lambda a: None)  # as on an sm_90 GPU
+
+    def reason(T, E, I, H, k=8, dtype=torch.bfloat16):
+        hidden = torch.empty(T, H, dtype=dtype, device="meta")
+        gate_up = torch.empty(E, 2 * I, H, dtype=dtype, device="meta")
+        return moe_ops._default_forward_reason(hidden, None, None, gate_up, k)
+
+    qwen235 = reason(16384, 128, 1536, 4096)  # 12.6M elements per expert, 1025 rows per expert: claimed tiles
+    assert qwen235 is not None and "3072 x 4096 per expert" in qwen235 and "with claimed tiles" in qwen235
+    assert "KOSMOS_FUSED_MOE=forward" in qwen235
+    assert reason(1024, 128, 1536, 4096) is None  # 65 rows per expert: static tiles, below WIDE_EXPERT
+    deepseek = reason(64, 256, 2048, 7168)  # 29.4M elements: WIDE_EXPERT at any T
+    assert deepseek is not None and "claimed" not in deepseek
+    assert reason(16384, 128, 768, 2048) is None  # Qwen3-30B-A3B: torch's grouped kernel
+    assert reason(16384, 128, 1536, 4096, dtype=torch.float32) is None
+    monkeypatch.setenv("KOSMOS_GROUPED_MM", "torch")
+    assert reason(16384, 256, 2048, 7168) is None
+    monkeypatch.setenv("KOSMOS_GROUPED_MM", "auto")
+    monkeypatch.setenv("KOSMOS_FUSED_MOE", "forward")
+    assert reason(16384, 256, 2048, 7168) is None
+    monkeypatch.delenv("KOSMOS_FUSED_MOE")
+    monkeypatch.setattr(gemm_ws_host, "cannot_run_here", lambda a: "wgmma needs an sm_90 GPU")
+    assert reason(16384, 256, 2048, 7168) is None
 
 
 def test_fused_run_reports_the_router_precision(monkeypatch):

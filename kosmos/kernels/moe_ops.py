@@ -2,8 +2,10 @@
 kosmos.kernels.moe_ep) and `kosmos::moe_layer_backward` (backward: kosmos.kernels.moe_backward / moe_ep_backward)
 through kosmos.ops.dispatch.
 
-Env KOSMOS_FUSED_MOE (read at each call) picks the directions that run fused: unset (the default: the forward),
-"forward" (the same), "1" both, "0" neither. Both kernels pass their GPU
+Env KOSMOS_FUSED_MOE (read at each call) picks the directions that run fused: unset (the default: the forward,
+except for experts whose grouped matmuls run kosmos's grouped GEMM, where the reference forward is faster since
+its SwiGLU is one row kernel: `_reference_experts_reason`, thirty-eighth session), "forward" (the forward
+everywhere), "1" both, "0" neither. Both kernels pass their GPU
 tests on an H200. On the benchmark cells (benchmarks/RESULTS.md, fifth session, T=16384) the fused backward is
 about 8x slower than the op's reference impl (grouped matmuls on the saved up projection), so it is opt-in; the fused
 forward is faster than the reference on Qwen3-30B-A3B (2.89 vs 3.36 ms) and Qwen3-235B (9.99 vs 10.13), and since
@@ -124,14 +126,40 @@ def _layer_backward_note(grad_out, grad_router_logits, hidden, router_weight, ro
     return _router_note(hidden, router_dtype)
 
 
-def _default_forward_reason(hidden, router_dtype, ep_group_name) -> Optional[str]:
-    """Where the default (env unset) leaves the forward to the reference: an fp32 router on 16-bit hidden states
-    under expert parallelism (without EP the fused forward measured faster, RESULTS.md eighth session)."""
-    if ENV in os.environ or ep_group_name is None:
+def _default_forward_reason(hidden, router_dtype, ep_group_name, gate_up_proj, top_k) -> Optional[str]:
+    """Where the default (env unset) leaves the forward to the reference: experts whose grouped matmuls run kosmos's
+    grouped GEMM (`_reference_experts_reason`) without EP; an fp32 router on 16-bit hidden states under expert
+    parallelism (without EP the fused forward measured faster, RESULTS.md eighth session)."""
+    if ENV in os.environ:
         return None
+    if ep_group_name is None:
+        return _reference_experts_reason(hidden, gate_up_proj, top_k)
     if router_dtype == torch.float32 and hidden.dtype != torch.float32:
         return FP32_ROUTER_REASON
     return None
+
+
+def _reference_experts_reason(hidden, gate_up_proj, top_k) -> Optional[str]:
+    """The reason for the reference forward where its up projection takes kosmos's grouped GEMM (grouped_rows_mm's
+    auto rule: per-expert weights of WIDE_EXPERT elements, or CLAIMED_EXPERT with claimed tiles), else None. There
+    the reference (split grouped GEMMs, the SwiGLU row kernel, the fold) beat the fused forward on every cell
+    measured: Qwen3-235B fwd 8.67 / 4.44 / 2.58 ms against 8.96 / 5.01 / 2.89 at T = 16384 / 8192 / 4096 and fwd+bwd
+    26.97 / 15.13 against 27.84 / 15.62 (9.20 / 9.16 at 4096), DeepSeek-V3 fwd 25.43 / 14.00 / 8.95 against 26.06 /
+    14.45 / 9.14 and fwd+bwd 76.60 / 44.46 / 28.79 against 77.69 / 44.92 / 29.36 (RESULTS.md, thirty-eighth session).
+    Qwen3-30B-A3B's experts stay on torch's grouped kernel and on the fused forward (within 4% either way there, and
+    its host-bound T = 4096 fwd+bwd is 0.8 ms slower on the reference)."""
+    from kosmos.kernels import gemm_ws_host
+
+    if os.environ.get("KOSMOS_GROUPED_MM", "auto") == "torch" or gate_up_proj.dtype not in (torch.bfloat16,
+                                                                                             torch.float16):
+        return None
+    E, two_i, H = gate_up_proj.shape
+    claimed = gemm_ws_host.grouped_claim(hidden.shape[0] * top_k + E, E)
+    if two_i * H < (CLAIMED_EXPERT if claimed else WIDE_EXPERT) or gemm_ws_host.cannot_run_here(hidden) is not None:
+        return None
+    return (f"the reference forward: its expert matmuls ({two_i} x {H} per expert) take kosmos's grouped GEMM"
+            f"{' with claimed tiles' if claimed else ''}, and with its SwiGLU row kernel it is faster than the fused "
+            f"forward there (RESULTS.md, thirty-eighth session); {ENV}=forward forces the fused one")
 
 
 def kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
@@ -278,7 +306,8 @@ def why_not_moe_layer(hidden, router_weight, router_bias, score_correction_bias,
     reason = _weights_reason(hidden, router_dtype, weights_dtype, keeps_fp32=True)
     if reason is not None:
         return reason
-    reason = _device_reason(hidden) or _default_forward_reason(hidden, router_dtype, ep_group_name)
+    reason = _device_reason(hidden) or _default_forward_reason(hidden, router_dtype, ep_group_name, gate_up_proj,
+                                                                 top_k)
     if reason is not None:
         return reason
 

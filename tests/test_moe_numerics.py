@@ -220,6 +220,33 @@ def test_compiled_model_matches_eager_cuda(name, dtype):
     assert_close_grads(run.grads, run.eager_grads, tol)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_reference_forward_on_kosmos_grouped_gemm_matches_eager_cuda(name, monkeypatch):
+    """The default forward for experts on kosmos's grouped GEMM (Qwen3-235B and DeepSeek-V3 sizes; made to apply to
+    the tiny models by lowering moe_ops' size thresholds): the reference forward, its grouped matmuls on kosmos's
+    kernel; the report says so and why, and the compiled bf16 model's loss and gradients match eager."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("kosmos's grouped GEMM runs on sm_90")
+    import kosmos.kernels.fused_ops  # noqa: F401  (registers the fused impls and row kernels)
+    from kosmos.kernels import moe_ops as kernel_ops
+
+    monkeypatch.delenv("KOSMOS_FUSED_MOE", raising=False)
+    monkeypatch.delenv("KOSMOS_GROUPED_MM", raising=False)
+    monkeypatch.setattr(kernel_ops, "WIDE_EXPERT", 0)
+    monkeypatch.setattr(kernel_ops, "CLAIMED_EXPERT", 0)
+    build, layers = MODELS[name]
+    run = compile_run(build(torch.bfloat16).cuda(), token_ids().cuda())
+    forward = {(impl, why) for (op, impl, why) in run.report.runtime if op == "moe_layer"}
+    assert len(forward) == 1, forward
+    ((impl, why),) = forward
+    assert impl == "reference" and why.startswith("the reference forward: its expert matmuls"), forward
+    assert any(op == "grouped_mm" and impl.startswith("kosmos grouped_ws") for (op, impl, _) in run.report.runtime)
+    assert count(run.forward, "moe_layer") == layers and count(run.backward, "moe_layer_backward") == layers
+    assert rel_err(run.loss, run.eager_loss) <= BF16_TOL
+    assert_close_grads(run.grads, run.eager_grads, BF16_TOL)
+
+
 def _varying_lengths(device: str, dtype: torch.dtype, tol: float) -> None:
     """Training steps at three sequence lengths through one torch.compile: Dynamo recompiles the second with a
     symbolic token count (automatic dynamic shapes); the MoE blocks of that graph are rewritten too, and every step

@@ -154,6 +154,8 @@ def _reference_experts_reason(hidden, gate_up_proj, top_k) -> Optional[str]:
                                                                                              torch.float16):
         return None
     E, two_i, H = gate_up_proj.shape
+    if H % 8 or two_i % 16:  # rows of 16 bytes for the TMA (gemm_ws_host.grouped_unsupported)
+        return None
     claimed = gemm_ws_host.grouped_claim(hidden.shape[0] * top_k + E, E)
     if two_i * H < (CLAIMED_EXPERT if claimed else WIDE_EXPERT) or gemm_ws_host.cannot_run_here(hidden) is not None:
         return None

@@ -8,7 +8,8 @@ its SwiGLU is one row kernel: `_reference_experts_reason`, thirty-eighth session
 everywhere), "1" both, "0" neither. Both kernels pass their GPU
 tests on an H200. On the benchmark cells (benchmarks/RESULTS.md, fifth session, T=16384) the fused backward is
 about 8x slower than the op's reference impl (grouped matmuls on the saved up projection), so it is opt-in; the fused
-forward is faster than the reference on Qwen3-30B-A3B (2.89 vs 3.36 ms) and Qwen3-235B (9.99 vs 10.13), and since
+forward was faster than the reference on Qwen3-30B-A3B (2.89 vs 3.36 ms) and Qwen3-235B (9.99 vs 10.13; no longer
+once the reference's grouped GEMMs and SwiGLU got their own kernels, thirty-eighth session), and since
 its fp32 router runs tf32x3 (eighth session) on DeepSeek-V3 too: 28.43 vs 30.25 ms forward, 89.70 vs 89.57 ms
 forward + backward (10+ timed calls each; the earlier "slower training step" figures were single calls of
 triton's do_bench, RESULTS.md eighth session). Under expert parallelism an fp32 router on 16-bit hidden states

@@ -119,7 +119,7 @@ def variants(block, cudagraphs: bool = False):
 
 
 # the kosmos-compiled block runs three times: kosmos::moe_layer's reference impls, the default (KOSMOS_FUSED_MOE
-# unset: the fused forward, the reference backward), then both
+# unset: the reference backward, and the fused forward except for experts on kosmos's grouped GEMM), then both
 # fused kernels (the op reads KOSMOS_FUSED_MOE at each call: one compiled graph)
 # kosmos_fwd: the fused forward with the reference backward (KOSMOS_FUSED_MOE=forward) whatever the default says
 KOSMOS_MODES = {"kosmos_ref": "0", "kosmos_default": None, "kosmos_fused": "1",

@@ -76,6 +76,23 @@ def collect(path: str, timeout: int, cases) -> dict:
     return report
 
 
+def case_tests(path: str, cases, timeout: int):
+    """What a module of interpreter cases binds at its top level, `report, test_interpreted_case =
+    _interp.case_tests(__file__, CASES, timeout)`: the module-scoped `report` fixture (`collect` of its cases) and
+    the test of each case (`check`)."""
+    import pytest
+
+    @pytest.fixture(scope="module", name="report")
+    def report():
+        return collect(path, timeout=timeout, cases=cases)
+
+    @pytest.mark.parametrize("case", list(cases))
+    def test_interpreted_case(report, case):
+        check(report, case)
+
+    return report, test_interpreted_case
+
+
 def check(report: dict, case: str) -> None:
     r = report[case]
     print(f"{case}: {r.get('secs')} s in its subprocess")  # shown with -rP / on failure: where the batch's time goes

@@ -12,7 +12,6 @@ imported and must not leak into other tests); each test checks its case's line o
 from __future__ import annotations
 
 import _interp
-import pytest
 import torch
 
 CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled_glog", "fp16_router_fp32_no_renorm_glog", "empty_experts",
@@ -191,14 +190,7 @@ def _main():
 # ----------------------------------------------------------------------------------------------- tests
 
 
-@pytest.fixture(scope="module")
-def report():
-    return _interp.collect(__file__, timeout=600, cases=CASES)
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_interpreted_case(report, case):
-    _interp.check(report, case)
+report, test_interpreted_case = _interp.case_tests(__file__, CASES, timeout=600)
 
 
 def _args(h, E=4, I=16, router_bias=None, **over):

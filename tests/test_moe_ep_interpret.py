@@ -14,7 +14,6 @@ before triton is imported).
 from __future__ import annotations
 
 import _interp
-import pytest
 
 CASES = ["softmax_top2_fp16", "softmax_top2_fp16_fp32_weights", "deepseek_router_fp32", "all_on_one_expert_top1", "counters_zeroed_epochs_advance",
          "missing_signal_raises", "backward_equals_non_ep_kernel_fp16", "backward_deepseek_fp32_glog",
@@ -295,14 +294,7 @@ def _main():
     _interp.run_cases(CASES, globals(), torch, SimWorld)
 
 
-@pytest.fixture(scope="module")
-def report():
-    return _interp.collect(__file__, timeout=900, cases=CASES)
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_interpreted_case(report, case):
-    _interp.check(report, case)
+report, test_interpreted_case = _interp.case_tests(__file__, CASES, timeout=900)
 
 
 if __name__ == "__main__":

@@ -571,14 +571,7 @@ def _main():
 # ----------------------------------------------------------------------------------------------- tests
 
 
-@pytest.fixture(scope="module")
-def report():
-    return _interp.collect(__file__, timeout=600, cases=CASES)
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_interpreted_case(report, case):
-    _interp.check(report, case)
+report, test_interpreted_case = _interp.case_tests(__file__, CASES, timeout=600)
 
 
 def test_gate_env(monkeypatch):

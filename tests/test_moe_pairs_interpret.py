@@ -5,7 +5,6 @@ report."""
 from __future__ import annotations
 
 import _interp
-import pytest
 import torch
 
 # (T, k, E, how the ids are drawn): several chunks of 128 pairs, a last chunk cut short, sentinel ids (E), experts
@@ -59,14 +58,7 @@ def _main():
     _interp.run_cases(list(CASES), {f"case_{n}": (lambda c=c: _check_case(*c)) for n, c in CASES.items()})
 
 
-@pytest.fixture(scope="module")
-def report():
-    return _interp.collect(__file__, timeout=300, cases=CASES)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_interpreted_case(report, case):
-    _interp.check(report, case)
+report, test_interpreted_case = _interp.case_tests(__file__, CASES, timeout=300)
 
 
 def test_torch_math_layout_by_hand():

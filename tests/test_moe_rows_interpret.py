@@ -3,7 +3,6 @@ kosmos.ops.moe_math._swiglu (the reference forward's act), in subprocesses (test
 from __future__ import annotations
 
 import _interp
-import pytest
 import torch
 
 # (S, I, h dtype, act dtype): rows and columns past one block each and cut short, one row, fp32, act in another
@@ -40,14 +39,7 @@ def _main():
     _interp.run_cases(list(CASES), {f"case_{n}": (lambda c=c: _check_case(*c)) for n, c in CASES.items()})
 
 
-@pytest.fixture(scope="module")
-def report():
-    return _interp.collect(__file__, timeout=300, cases=CASES)
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_interpreted_case(report, case):
-    _interp.check(report, case)
+report, test_interpreted_case = _interp.case_tests(__file__, CASES, timeout=300)
 
 
 if __name__ == "__main__":

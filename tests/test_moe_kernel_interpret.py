@@ -630,6 +630,7 @@ def test_default_reference_forward_for_kosmos_grouped_experts(monkeypatch):
     deepseek = reason(64, 256, 2048, 7168)  # 29.4M elements: WIDE_EXPERT at any T
     assert deepseek is not None and "claimed" not in deepseek
     assert reason(16384, 128, 768, 2048) is None  # Qwen3-30B-A3B: torch's grouped kernel
+    assert reason(16384, 8, 14336, 4096, k=2) is None  # Mixtral-8x7B: 8 experts, not measured on the reference
     assert reason(16384, 128, 1536, 4096, dtype=torch.float32) is None
     assert reason(16384, 256, 2052, 7168) is None and reason(16384, 256, 2048, 7172) is None  # TMA row alignment
     monkeypatch.setenv("KOSMOS_GROUPED_MM", "torch")

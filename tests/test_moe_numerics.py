@@ -224,7 +224,7 @@ def test_compiled_model_matches_eager_cuda(name, dtype):
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
 def test_reference_forward_on_kosmos_grouped_gemm_matches_eager_cuda(name, monkeypatch):
     """The default forward for experts on kosmos's grouped GEMM (Qwen3-235B and DeepSeek-V3 sizes; made to apply to
-    the tiny models by lowering moe_ops' size thresholds): the reference forward, its grouped matmuls on kosmos's
+    the tiny models by lowering moe_ops' size and expert-count thresholds): the reference forward, its grouped matmuls on kosmos's
     kernel; the report says so and why, and the compiled bf16 model's loss and gradients match eager."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("kosmos's grouped GEMM runs on sm_90")
@@ -235,6 +235,7 @@ def test_reference_forward_on_kosmos_grouped_gemm_matches_eager_cuda(name, monke
     monkeypatch.delenv("KOSMOS_GROUPED_MM", raising=False)
     monkeypatch.setattr(kernel_ops, "WIDE_EXPERT", 0)
     monkeypatch.setattr(kernel_ops, "CLAIMED_EXPERT", 0)
+    monkeypatch.setattr(kernel_ops, "REFERENCE_MIN_EXPERTS", 0)
     build, layers = MODELS[name]
     run = compile_run(build(torch.bfloat16).cuda(), token_ids().cuda())
     forward = {(impl, why) for (op, impl, why) in run.report.runtime if op == "moe_layer"}

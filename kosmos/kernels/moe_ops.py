@@ -140,6 +140,11 @@ def _default_forward_reason(hidden, router_dtype, ep_group_name, gate_up_proj, t
     return None
 
 
+# The reference forward was measured against the fused one on layers of 128 and 256 experts; Mixtral's 8 experts of
+# 117M elements (which the fused forward claims in groups of row blocks, MoeConfig.group_blocks) were not.
+REFERENCE_MIN_EXPERTS = 64
+
+
 def _reference_experts_reason(hidden, gate_up_proj, top_k) -> Optional[str]:
     """The reason for the reference forward where its up projection takes kosmos's grouped GEMM (grouped_rows_mm's
     auto rule: per-expert weights of WIDE_EXPERT elements, or CLAIMED_EXPERT with claimed tiles), else None. There
@@ -148,7 +153,8 @@ def _reference_experts_reason(hidden, gate_up_proj, top_k) -> Optional[str]:
     26.97 / 15.13 against 27.84 / 15.62 (9.20 / 9.16 at 4096), DeepSeek-V3 fwd 25.43 / 14.00 / 8.95 against 26.06 /
     14.45 / 9.14 and fwd+bwd 76.60 / 44.46 / 28.79 against 77.69 / 44.92 / 29.36 (RESULTS.md, thirty-eighth session).
     Qwen3-30B-A3B's experts stay on torch's grouped kernel and on the fused forward (within 4% either way there, and
-    its host-bound T = 4096 fwd+bwd is 0.8 ms slower on the reference)."""
+    its host-bound T = 4096 fwd+bwd is 0.8 ms slower on the reference); so do layers of fewer than
+    REFERENCE_MIN_EXPERTS experts (not measured)."""
     from kosmos.kernels import gemm_ws_host
 
     if os.environ.get("KOSMOS_GROUPED_MM", "auto") == "torch" or gate_up_proj.dtype not in (torch.bfloat16,
@@ -156,6 +162,8 @@ def _reference_experts_reason(hidden, gate_up_proj, top_k) -> Optional[str]:
         return None
     E, two_i, H = gate_up_proj.shape
     if H % 8 or two_i % 16:  # rows of 16 bytes for the TMA (gemm_ws_host.grouped_unsupported)
+        return None
+    if E < REFERENCE_MIN_EXPERTS:
         return None
     claimed = gemm_ws_host.grouped_claim(hidden.shape[0] * top_k + E, E)
     if two_i * H < (CLAIMED_EXPERT if claimed else WIDE_EXPERT) or gemm_ws_host.cannot_run_here(hidden) is not None:

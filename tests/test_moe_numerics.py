@@ -224,8 +224,9 @@ def test_compiled_model_matches_eager_cuda(name, dtype):
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
 def test_reference_forward_on_kosmos_grouped_gemm_matches_eager_cuda(name, monkeypatch):
     """The default forward for experts on kosmos's grouped GEMM (Qwen3-235B and DeepSeek-V3 sizes; made to apply to
-    the tiny models by lowering moe_ops' size and expert-count thresholds): the reference forward, its grouped matmuls on kosmos's
-    kernel; the report says so and why, and the compiled bf16 model's loss and gradients match eager."""
+    the tiny models by lowering moe_ops' size and expert-count thresholds): the reference forward, its grouped
+    matmuls on kosmos's kernel; the report says so and why, and the compiled bf16 model's loss and gradients match
+    eager."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("kosmos's grouped GEMM runs on sm_90")
     import kosmos.kernels.fused_ops  # noqa: F401  (registers the fused impls and row kernels)

@@ -165,8 +165,8 @@ def _reference_experts_reason(hidden, gate_up_proj, top_k) -> Optional[str]:
         return None
     if E < REFERENCE_MIN_EXPERTS:
         return None
-    claimed = gemm_ws_host.grouped_claim(hidden.shape[0] * top_k + E, E)
-    if two_i * H < (CLAIMED_EXPERT if claimed else WIDE_EXPERT) or gemm_ws_host.cannot_run_here(hidden) is not None:
+    claimed, least = _grouped_auto_size(hidden.shape[0] * top_k + E, E)
+    if two_i * H < least or gemm_ws_host.cannot_run_here(hidden) is not None:
         return None
     return (f"the reference forward: its expert matmuls ({two_i} x {H} per expert) take kosmos's grouped GEMM"
             f"{' with claimed tiles' if claimed else ''}, and with its SwiGLU row kernel it is faster than the fused "
@@ -446,6 +446,15 @@ def _kosmos_mode(op: str, env: str, modes: tuple[str, ...], unsupported, shape: 
     return mode
 
 
+def _grouped_auto_size(rows: int, groups: int) -> tuple[bool, int]:
+    """(whether the ragged-M grouped matmuls over `rows` rows in `groups` groups claim their tiles, the per-expert
+    weight size in elements from which KOSMOS_GROUPED_MM=auto takes kosmos's kernel for them)."""
+    from kosmos.kernels import gemm_ws_host
+
+    claimed = gemm_ws_host.grouped_claim(rows, groups)
+    return claimed, CLAIMED_EXPERT if claimed else WIDE_EXPERT
+
+
 def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:
     """The reference's ragged-M grouped matmul by kosmos's grouped GEMM (gemm_ws_host.grouped_mm) when it takes the
     operands and pays off, else None (the caller runs torch._grouped_mm). KOSMOS_GROUPED_MM: auto (default: weights
@@ -458,10 +467,9 @@ def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Opt
     The report records which ran and why; the bits are the same."""
     from kosmos.kernels import gemm_ws_host
 
-    claimed = gemm_ws_host.grouped_claim(a.shape[0], ends.numel())
+    claimed, least = _grouped_auto_size(a.shape[0], ends.numel())
     mode = _kosmos_mode("grouped_mm", "KOSMOS_GROUPED_MM", ("auto", "kosmos", "kosmos_m", "kosmos_mc", "torch"),
-                        lambda: gemm_ws_host.grouped_unsupported(a, b), b.shape[1:], "weight", "kosmos_m",
-                        CLAIMED_EXPERT if claimed else WIDE_EXPERT)
+                        lambda: gemm_ws_host.grouped_unsupported(a, b), b.shape[1:], "weight", "kosmos_m", least)
     if mode is None:
         return None
     m_fastest = mode != "kosmos"

@@ -174,8 +174,9 @@ def run_cell(layer: str, T: int, args) -> dict:
             # a replay allocates nothing (the graph pool was sized at recording): no peak to read there
             res[f"peak_gib_{name}"] = float("nan") if args.cudagraphs else peak_gib(step, args)
             if name in KOSMOS_MODES:
+                ops = ("moe_layer", "grouped_", "router_")
                 res[f"impl_{name}"] = sorted({f"{op}: {impl} ({why})" for op, impl, why in kosmos.report().runtime
-                                              if op.startswith(("moe_layer", "grouped_"))}) or ["not rewritten"]
+                                              if op.startswith(ops)}) or ["not rewritten"]
 
     rows = T * d["k"]
     a = torch.randn(rows, d["H"], device=device, dtype=dtype)

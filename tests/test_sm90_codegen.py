@@ -279,6 +279,22 @@ def test_moe_forward_deepseek_router_gemm():
     _report(_compile_moe_forward(cfg, consts, "fp32", router_weight=BF))
 
 
+@pytest.mark.parametrize("config", ["wide", "narrow"])
+def test_reference_router_gemm(config):
+    """The reference forward's fp32 router on bf16 hidden states (kosmos.kernels.router_gemm) in each tile config of
+    its launcher: the RGEMM tile on wgmma, no serialization advisory, no spills."""
+    from kosmos.kernels import router_gemm
+
+    rbm, rbn, bkg, warps, stages = router_gemm.CONFIGS[config]
+    k = compile_sm90(router_gemm._router_logits_kernel, dict(HAS_RB=False, RBM=rbm, RBN=rbn, BKG=bkg),
+                     dict(rb="fp32", logits="fp32"),
+                     dict(xr_desc=(torch.bfloat16, (rbm, bkg)), wr_desc=(torch.bfloat16, (rbn, bkg))),
+                     num_warps=warps, num_stages=stages, div16=("H", "E"))
+    rep = _report(k)
+    assert rep["spill_stores"] == 0, rep["text"]
+    assert "wgmma" in k.asm["ptx"]
+
+
 def test_moe_forward_joint_gate_up():
     """MoeConfig.joint_gate_up: the UP tile's gate and up blocks as one operand, one wgmma of width 2*BI (64x256 on
     the Qwen3 build) where joint_gate_up=False runs two of width BI; no wgmma serialization (WIDE_FORWARD has it on).

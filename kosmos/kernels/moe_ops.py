@@ -498,6 +498,25 @@ def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> 
     return gemm_ws_host.launch_grouped_wgrad(a, b, ends, config=config)
 
 
+def router_rows_logits(hidden: torch.Tensor, router_weight: torch.Tensor,
+                       router_bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The reference forward's fp32 router logits on bf16 hidden states by kosmos.kernels.router_gemm when it takes
+    them, else None (the caller runs torch's fp32 GEMM). KOSMOS_ROUTER_GEMM: auto (default) or torch (never). The
+    report records which ran and why."""
+    from kosmos.kernels import router_gemm
+
+    mode = os.environ.get("KOSMOS_ROUTER_GEMM", "auto")
+    if mode not in ("auto", "torch"):
+        raise ValueError(f"KOSMOS_ROUTER_GEMM={mode!r}: expected auto or torch")
+    reason = "KOSMOS_ROUTER_GEMM=torch" if mode == "torch" else router_gemm.unsupported(hidden, router_weight,
+                                                                                           router_bias)
+    if reason is not None:
+        record_run("router_logits", "torch fp32 linear", reason)
+        return None
+    record_run("router_logits", "kosmos router_gemm", "fp32 router on bf16 hidden states, TF32 off")
+    return router_gemm.router_logits(hidden, router_weight, router_bias)
+
+
 def register() -> None:
     from kosmos.kernels import moe_pairs, moe_rows
 
@@ -511,3 +530,4 @@ def register() -> None:
     dispatch.register_row_kernel("moe_sorted_pairs", moe_pairs.sorted_pairs)
     dispatch.register_row_kernel("moe_grouped_mm", grouped_rows_mm)
     dispatch.register_row_kernel("moe_grouped_wgrad", grouped_rows_wgrad)
+    dispatch.register_row_kernel("moe_router_logits", router_rows_logits)

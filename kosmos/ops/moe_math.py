@@ -74,10 +74,20 @@ def _route_forward(hidden, router_weight, router_bias, score_correction_bias, to
 def route(hidden, router_weight, router_bias, score_correction_bias, top_k: int, scoring: str, norm_topk_prob: bool,
           n_group: int, topk_group: int, routed_scaling_factor: float, router_dtype, weights_dtype=None):
     """The router of the module docstring: returns (logits [T, E], topk_ids [T, k], topk_weights [T, k])."""
+    logits = _router_logits_kernel(hidden, router_weight, router_bias, router_dtype)
     logits, ids, weights, _ = _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring,
                                              norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
-                                             weights_dtype=weights_dtype)
+                                             logits=logits, weights_dtype=weights_dtype)
     return logits, ids, weights
+
+
+def _router_logits_kernel(hidden, router_weight, router_bias, router_dtype):
+    """An fp32 router's logits on bf16 hidden states (DeepSeek-V3's) by the registered CUDA kernel, which needs no
+    fp32 copy of hidden and runs on the tensor cores (torch's fp32 GEMM does not); None: torch's F.linear runs."""
+    if router_dtype != torch.float32 or hidden.dtype != torch.bfloat16:
+        return None
+    kernel = dispatch.row_kernel("moe_router_logits", hidden.device)
+    return kernel(hidden, router_weight, router_bias) if kernel is not None else None
 
 
 def route_backward(d_weights, d_logits_out, routed, router_weight, router_bias, scoring, routed_scaling_factor,

@@ -80,6 +80,17 @@ def test_router_kernel_reasons(monkeypatch):
         moe_ops.router_rows_logits(hidden, weight, None)
 
 
+def test_router_tile_config_by_tokens(monkeypatch):
+    """128-token tiles where they fill half of the SMs or more (the H200's 132 at DeepSeek-V3's 256 experts: from
+    T = 8192), 64-token ones below."""
+    from kosmos.kernels import router_gemm, runtime
+
+    monkeypatch.setattr(runtime, "num_sms", lambda device: 132)
+    got = {T: router_gemm.config(T, 256, torch.device("cuda")) for T in (1, 4096, 8192, 16384)}
+    wide, narrow = router_gemm.CONFIGS["wide"], router_gemm.CONFIGS["narrow"]
+    assert got == {1: narrow, 4096: narrow, 8192: wide, 16384: wide}
+
+
 def _max_rel(got, want64):
     return ((got.double() - want64).abs().max() / want64.abs().max()).item()
 

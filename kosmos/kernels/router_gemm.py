@@ -20,19 +20,19 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kosmos.kernels.moe_route import router_gemm_tile_tma
 
 # (tokens, experts, K block, warps, stages) of a tile. Measured on the H200 at DeepSeek-V3's sizes
-# (benchmarks/router_gemm.py, RESULTS.md thirty-ninth session): 128-token tiles with 64-wide K blocks 0.291 ms at
-# T = 16384 (the fused forward's 128 x 128 x 32 tile 0.357); where those tiles leave SMs idle, 64-token ones (0.107
-# ms at T = 4096, against 0.178).
-CONFIGS = {"wide": (128, 128, 64, 8, 3), "narrow": (64, 128, 32, 4, 4)}
+# (benchmarks/router_gemm.py, RESULTS.md thirty-ninth session): 128 x 128 tiles with 64-wide K blocks 0.286 ms at
+# T = 16384 and 0.144 at 8192 (the fused forward's 128 x 128 x 32 tile 0.358 / 0.180); at T = 4096, where they
+# leave more than half of the 132 SMs idle, 64-token tiles 0.094 ms (128-token 0.141).
+CONFIGS = {"wide": (128, 128, 64, 8, 3), "narrow": (64, 128, 64, 4, 3)}
 
 
 def config(T: int, E: int, device: torch.device) -> tuple:
-    """The CONFIGS entry for T tokens and E experts: "wide" where its tiles fill the GPU's SMs."""
+    """The CONFIGS entry for T tokens and E experts: "wide" where its tiles fill half of the GPU's SMs or more."""
     from kosmos.kernels import runtime
 
     rbm, rbn = CONFIGS["wide"][:2]
-    filled = triton.cdiv(T, rbm) * triton.cdiv(E, rbn) >= runtime.num_sms(device)
-    return CONFIGS["wide" if filled else "narrow"]
+    tiles = triton.cdiv(T, rbm) * triton.cdiv(E, rbn)
+    return CONFIGS["wide" if 2 * tiles >= runtime.num_sms(device) else "narrow"]
 
 
 @triton.jit

@@ -98,10 +98,11 @@ GROUPED_BLOCK = (128, 256, 64)  # BLOCK_M, BLOCK_N, BLOCK_K: ws256_1c's tiles (g
 
 # grouped_ws_kernel's launch configs: "128x256" one 8-warp consumer per tile; "128x256s" the tile's rows split
 # between two 4-warp consumers that release each stage on their own (no CTA barrier across the two warpgroups in
-# the K loop), the lower one skipping its MMAs where its rows are all past the group's end.
+# the K loop), the lower one skipping its MMAs where its rows are all past the group's end. SWIGLU stays in every
+# entry (launch_grouped_mm_swiglu sets it): a build that left it out would take it as a runtime argument.
 GROUPED_CONFIGS = {
-    "128x256": dict(NUM_CONSUMERS=1, CONSUMER_WARPS=8, CONSUMER_REGS=0, PRODUCER_REGS=40),
-    "128x256s": dict(NUM_CONSUMERS=2, CONSUMER_WARPS=4, CONSUMER_REGS=232, PRODUCER_REGS=40),
+    "128x256": dict(NUM_CONSUMERS=1, CONSUMER_WARPS=8, CONSUMER_REGS=0, PRODUCER_REGS=40, SWIGLU=False),
+    "128x256s": dict(NUM_CONSUMERS=2, CONSUMER_WARPS=4, CONSUMER_REGS=232, PRODUCER_REGS=40, SWIGLU=False),
 }
 
 
@@ -158,9 +159,7 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
 
     S, K = a.shape
     E, _, N = b.shape
-    if ends.dtype != torch.int32 or ends.shape != (E,) or ends.device != a.device:
-        raise ValueError(f"kosmos grouped_mm: ends must be int32 [{E}] on {a.device}, not {ends.dtype} "
-                         f"{tuple(ends.shape)} on {ends.device}")
+    _check_ends(ends, E, a, "grouped_mm")
     if out is None:
         out = a.new_empty(S, N)
     elif out.shape != (S, N) or out.dtype != a.dtype or out.stride(1) != 1 or out.stride(0) % 8 or out.data_ptr() % 16:
@@ -178,10 +177,74 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
     ends = ends.contiguous()
     counter = torch.zeros(1, dtype=torch.int32, device=a.device) if claim else ends
     grouped_ws_kernel[(programs or num_sms(a.device),)](
-        a_desc, b_desc, c_desc, out, out.stride(0), ends, counter, E, N, K,
+        a_desc, b_desc, c_desc, out, out.stride(0), ends, counter, E, N, K, out,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest, CLAIM=claim,
         num_warps=cfg["CONSUMER_WARPS"], **cfg)
     return out
+
+
+def _check_ends(ends: torch.Tensor, E: int, a: torch.Tensor, what: str) -> None:
+    """Raises ValueError unless ends is int32 [E] on a's device."""
+    if ends.dtype != torch.int32 or ends.shape != (E,) or ends.device != a.device:
+        raise ValueError(f"kosmos {what}: ends must be int32 [{E}] on {a.device}, not {ends.dtype} "
+                         f"{tuple(ends.shape)} on {ends.device}")
+
+
+def swiglu_unsupported(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
+    """Why grouped_ws_kernel's SWIGLU epilogue cannot compute h = [gate | up] (A [S, H] times B [E, H, 2I] per row
+    group, B a K-contiguous view such as gate_up_proj.transpose(1, 2)) and act = silu(gate) * up, or None."""
+    half = GROUPED_BLOCK[1] // 2
+    if b.dim() == 3:
+        N = b.shape[2]
+        if N % (2 * half):
+            return f"N = {N} is not 2I with I a multiple of {half} (a tile's column block of gate and of up)"
+        if grouped_b_trans(b) is False:
+            return "B with N contiguous (the SwiGLU epilogue loads K-contiguous gate / up rows: [E, 2I, H] storage)"
+    return grouped_unsupported(a, b)
+
+
+SWIGLU_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, *, m_fastest: bool = False,
+                             claim: bool = False, config: str = "128x256", act_dtype: Optional[torch.dtype] = None,
+                             programs: Optional[int] = None):
+    """(h [S, 2I], act [S, I]) in one launch, for operands swiglu_unsupported has already accepted: h is
+    launch_grouped_mm(a, b, ends)'s [gate | up] (the same bits) and act = silu(gate) * up in act_dtype (default
+    a's), rounded as moe_rows.swiglu_rows(h, act_dtype) rounds it; rows past ends[-1] are left unwritten in both.
+    m_fastest / claim / config / programs: as launch_grouped_mm's. Raises ValueError for ends, act_dtype, or a B
+    whose shape or layout the epilogue cannot take."""
+    from kosmos.kernels.gemm import num_sms
+    from kosmos.kernels.grouped_ws import grouped_ws_kernel
+
+    S, K = a.shape
+    E, _, N = b.shape
+    BM, BN, BK = GROUPED_BLOCK
+    _check_ends(ends, E, a, "grouped_mm_swiglu")
+    if N % BN:
+        raise ValueError(f"kosmos grouped_mm_swiglu: N = {N} is not 2I with I a multiple of {BN // 2}")
+    if grouped_b_trans(b) is not True:
+        raise ValueError(f"kosmos grouped_mm_swiglu: B strides {b.stride()} (a K-contiguous view of [E, 2I, H] "
+                         "storage expected)")
+    act_dtype = act_dtype or a.dtype
+    if act_dtype not in SWIGLU_ACT_DTYPES:
+        raise ValueError(f"kosmos grouped_mm_swiglu: act_dtype {act_dtype} (one of {SWIGLU_ACT_DTYPES})")
+    h = a.new_empty(S, N)
+    act = torch.empty(S, N // 2, dtype=act_dtype, device=a.device)
+    if S == 0 or E == 0 or N == 0:
+        return h, act
+    cfg = {**GROUPED_CONFIGS[config], "SWIGLU": True}
+    rows = BM // cfg["NUM_CONSUMERS"]  # a consumer's rows of a tile
+    a_desc = _descriptor(a, [S, K], a.stride(0), [rows, BK])
+    b_desc = _descriptor(b, [E * N, K], K, [BN // 2, BK])  # a gate or an up block: half a stage
+    c_desc = _descriptor(h, [S, N], N, [rows, BN // 2])
+    ends = ends.contiguous()
+    counter = torch.zeros(1, dtype=torch.int32, device=a.device) if claim else ends
+    grouped_ws_kernel[(programs or num_sms(a.device),)](
+        a_desc, b_desc, c_desc, h, N, ends, counter, E, N, K, act,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=True, M_FASTEST=m_fastest, CLAIM=claim,
+        num_warps=cfg["CONSUMER_WARPS"], **cfg)
+    return h, act
 
 
 # From this many rows per group on average, tiles claimed from a counter pay: with 132 tiles at work in the static

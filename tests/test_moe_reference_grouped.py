@@ -371,9 +371,9 @@ def test_gpu_grouped_vs_loop_bf16(monkeypatch):
                                          ("kosmos_mc", "128x256s"), ("kosmos", "128x256s")])
 def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch, mode, config):
     """KOSMOS_GROUPED_MM=kosmos / kosmos_m / kosmos_mc (and KOSMOS_GROUPED_CONFIG): the ragged-M grouped matmuls
-    (forward up / down, backward d_act / d_x) run on kosmos's grouped GEMM, the weight gradients (below WIDE_EXPERT
-    here) stay torch._grouped_mm's, the report says so, and the results are those of torch._grouped_mm
-    everywhere."""
+    (forward up with its SwiGLU epilogue / down, backward d_act / d_x) run on kosmos's grouped GEMM, the weight
+    gradients (below WIDE_EXPERT here) stay torch._grouped_mm's, the report says so, and the results are those of
+    torch._grouped_mm everywhere."""
     import kosmos
 
     case = _qwen3_30b_case()
@@ -391,7 +391,9 @@ def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch, mode, config):
     runs = kosmos.report().runtime
     impl = {"kosmos": "kosmos grouped_ws", "kosmos_m": "kosmos grouped_ws m-fastest",
             "kosmos_mc": "kosmos grouped_ws m-fastest claimed"}[mode] + " " + config
-    assert runs.get(("grouped_mm", impl, "supported")) == 6, runs
+    # the forward's up projection and its SwiGLU in one launch (I = 768, a multiple of 128)
+    assert runs.get(("grouped_mm_swiglu", impl + " swiglu", "supported")) == 1, runs
+    assert runs.get(("grouped_mm", impl, "supported")) == 5, runs
     for name, a, b in zip(NAMES, got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert rel_err(a, b) <= 1e-3, (name, rel_err(a, b))

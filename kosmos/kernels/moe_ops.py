@@ -429,10 +429,11 @@ CLAIMED_EXPERT = 6_000_000
 
 
 def _kosmos_mode(op: str, env: str, modes: tuple[str, ...], unsupported, shape: tuple[int, int],
-                 what: str, every_size: str, min_elements: int = WIDE_EXPERT) -> Optional[str]:
+                 what: str, every_size: str, min_elements: int = WIDE_EXPERT, record: bool = True) -> Optional[str]:
     """env's mode (one of modes: "auto", the default, takes kosmos's kernel for per-expert matrices `shape` of
     min_elements or more; "torch" never) when kosmos's kernel for `op` runs, else None with the run of
-    torch._grouped_mm and its reason recorded. unsupported(): why the kernel cannot take the operands, or None."""
+    torch._grouped_mm and its reason recorded (if `record`). unsupported(): why the kernel cannot take the
+    operands, or None."""
     mode = os.environ.get(env, "auto")
     if mode not in modes:
         raise ValueError(f"{env}={mode!r}: expected {', '.join(modes[:-1])} or {modes[-1]}")
@@ -441,7 +442,8 @@ def _kosmos_mode(op: str, env: str, modes: tuple[str, ...], unsupported, shape: 
         reason = (f"a {shape[0]} x {shape[1]} {what} per expert, where torch's kernel is as fast (kosmos's from "
                   f"{min_elements} elements here; {env}={every_size} for every size)")
     if reason is not None:
-        record_run(op, "torch._grouped_mm", reason)
+        if record:
+            record_run(op, "torch._grouped_mm", reason)
         return None
     return mode
 
@@ -453,6 +455,30 @@ def _grouped_auto_size(rows: int, groups: int) -> tuple[bool, int]:
 
     claimed = gemm_ws_host.grouped_claim(rows, groups)
     return claimed, CLAIMED_EXPERT if claimed else WIDE_EXPERT
+
+
+def _grouped_choice(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
+                    record: bool = True) -> Optional[tuple[bool, bool, str]]:
+    """(m_fastest, claim, config) of kosmos's ragged-M grouped GEMM for these operands by KOSMOS_GROUPED_MM /
+    KOSMOS_GROUPED_CONFIG (grouped_rows_mm's docstring), or None where torch._grouped_mm runs (recorded if
+    `record`)."""
+    from kosmos.kernels import gemm_ws_host
+
+    claimed, least = _grouped_auto_size(a.shape[0], ends.numel())
+    mode = _kosmos_mode("grouped_mm", "KOSMOS_GROUPED_MM", ("auto", "kosmos", "kosmos_m", "kosmos_mc", "torch"),
+                        lambda: gemm_ws_host.grouped_unsupported(a, b), b.shape[1:], "weight", "kosmos_m", least,
+                        record)
+    if mode is None:
+        return None
+    claim = mode == "kosmos_mc" or (mode == "auto" and claimed)
+    config = os.environ.get("KOSMOS_GROUPED_CONFIG") or gemm_ws_host.grouped_config(claim)
+    if config not in gemm_ws_host.GROUPED_CONFIGS:
+        raise ValueError(f"KOSMOS_GROUPED_CONFIG={config!r}: expected one of {sorted(gemm_ws_host.GROUPED_CONFIGS)}")
+    return mode != "kosmos", claim, config
+
+
+def _grouped_impl(m_fastest: bool, claim: bool, config: str) -> str:
+    return f"kosmos grouped_ws{' m-fastest' if m_fastest else ''}{' claimed' if claim else ''} {config}"
 
 
 def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:
@@ -467,19 +493,39 @@ def grouped_rows_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Opt
     The report records which ran and why; the bits are the same."""
     from kosmos.kernels import gemm_ws_host
 
-    claimed, least = _grouped_auto_size(a.shape[0], ends.numel())
-    mode = _kosmos_mode("grouped_mm", "KOSMOS_GROUPED_MM", ("auto", "kosmos", "kosmos_m", "kosmos_mc", "torch"),
-                        lambda: gemm_ws_host.grouped_unsupported(a, b), b.shape[1:], "weight", "kosmos_m", least)
-    if mode is None:
+    choice = _grouped_choice(a, b, ends)
+    if choice is None:
         return None
-    m_fastest = mode != "kosmos"
-    claim = mode == "kosmos_mc" or (mode == "auto" and claimed)
-    config = os.environ.get("KOSMOS_GROUPED_CONFIG") or gemm_ws_host.grouped_config(claim)
-    if config not in gemm_ws_host.GROUPED_CONFIGS:
-        raise ValueError(f"KOSMOS_GROUPED_CONFIG={config!r}: expected one of {sorted(gemm_ws_host.GROUPED_CONFIGS)}")
-    record_run("grouped_mm", f"kosmos grouped_ws{' m-fastest' if m_fastest else ''}{' claimed' if claim else ''} "
-               f"{config}", "supported")
+    m_fastest, claim, config = choice
+    record_run("grouped_mm", _grouped_impl(*choice), "supported")
     return gemm_ws_host.launch_grouped_mm(a, b, ends, m_fastest=m_fastest, claim=claim, config=config)
+
+
+def grouped_rows_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
+                           act_dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The reference forward's up projection and its SwiGLU in one launch: (h = [gate | up] [S, 2I], act [S, I] in
+    act_dtype), the bits of grouped_rows_mm + moe_rows.swiglu_rows, by kosmos's grouped GEMM with its SwiGLU
+    epilogue (gemm_ws_host.launch_grouped_mm_swiglu; the act without a second pass over h) where grouped_rows_mm
+    would run kosmos's kernel and the epilogue takes the operands (I a multiple of 128); else None (the caller runs
+    the matmul and the row kernel). KOSMOS_GROUPED_SWIGLU=0 switches it off. The report records which ran and
+    why."""
+    from kosmos.kernels import gemm_ws_host
+
+    switch = os.environ.get("KOSMOS_GROUPED_SWIGLU", "1")
+    if switch not in ("0", "1"):
+        raise ValueError(f"KOSMOS_GROUPED_SWIGLU={switch!r}: expected 0 or 1")
+    choice = _grouped_choice(a, b, ends, record=False)  # torch's matmul: grouped_rows_mm records it
+    if choice is None:
+        return None
+    reason = ("KOSMOS_GROUPED_SWIGLU=0" if switch == "0" else gemm_ws_host.swiglu_unsupported(a, b)
+              or (None if act_dtype in gemm_ws_host.SWIGLU_ACT_DTYPES else f"act dtype {act_dtype}"))
+    if reason is not None:
+        record_run("grouped_mm_swiglu", "grouped matmul + SwiGLU row kernel", reason)
+        return None
+    m_fastest, claim, config = choice
+    record_run("grouped_mm_swiglu", _grouped_impl(*choice) + " swiglu", "supported")
+    return gemm_ws_host.launch_grouped_mm_swiglu(a, b, ends, m_fastest=m_fastest, claim=claim, config=config,
+                                                 act_dtype=act_dtype)
 
 
 def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:
@@ -529,5 +575,6 @@ def register() -> None:
     dispatch.register_row_kernel("moe_gather_rows", moe_rows.gather_rows)
     dispatch.register_row_kernel("moe_sorted_pairs", moe_pairs.sorted_pairs)
     dispatch.register_row_kernel("moe_grouped_mm", grouped_rows_mm)
+    dispatch.register_row_kernel("moe_grouped_mm_swiglu", grouped_rows_mm_swiglu)
     dispatch.register_row_kernel("moe_grouped_wgrad", grouped_rows_wgrad)
     dispatch.register_row_kernel("moe_router_logits", router_rows_logits)

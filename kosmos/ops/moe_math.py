@@ -303,6 +303,20 @@ def _experts_up(x, gate_up_proj, groups, down_dtype):
     return _swiglu(_grouped_mm(x, gate_up_proj.transpose(1, 2), groups), down_dtype)
 
 
+def _experts_up_act(x, gate_up_proj, groups, down_dtype):
+    """(up rows h = [gate | up], act in down_dtype) of the grouped rows x: by the registered CUDA kernel that makes
+    both in one launch (a grouped GEMM with a SwiGLU epilogue) where it takes them, else the grouped matmul and
+    `_act`; the same bits either way."""
+    b = gate_up_proj.transpose(1, 2)
+    if x.stride(-1) == 1 and _grouped_kernel(x, b, len(groups)):
+        kernel = dispatch.row_kernel("moe_grouped_mm_swiglu", x.device)
+        both = kernel(x, b, groups.ends, down_dtype) if kernel is not None else None
+        if both is not None:
+            return both
+    up = _grouped_mm(x, b, groups)
+    return up, _act(up, down_dtype)
+
+
 def _swiglu_backward(gate, up, silu, d_act):
     """d[gate | up] of act = silu(gate) * up, given d_act (in silu's dtype)."""
     sig = torch.sigmoid(gate)
@@ -425,8 +439,7 @@ def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation:
     num_tokens, top_k = topk_ids.shape
     rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
     x = rows.gather(hidden, dtype=gate_up_proj.dtype)
-    up = _grouped_mm(x, gate_up_proj.transpose(1, 2), rows.groups)
-    act = _act(up, down_proj.dtype)
+    up, act = _experts_up_act(x, gate_up_proj, rows.groups, down_proj.dtype)
     y = _grouped_mm(act, down_proj.transpose(1, 2), rows.groups)
     res = (_fold_weighted(y, rows.row, topk_weights).to(hidden.dtype), rows.counts.to(torch.int32))
     return res + (up,) if return_up else res

@@ -1,21 +1,54 @@
-"""One MoE layer's training step under backend="kosmos", default env vs KOSMOS_FUSED_MOE=forward, in alternation:
-per-step CUDA-event times (no L2 flush), host wall time, the profiler's kernel-time sum, and the caching
+"""One MoE layer's training step under backend="kosmos", default env vs another setting of one env variable
+(--b-env, default KOSMOS_FUSED_MOE=forward), in alternation (--rounds): per-step CUDA-event times (no L2 flush) of
+the forward alone (no_grad) and of forward+backward, host wall time, the profiler's kernel-time sum, and the caching
 allocator's counters over the timed steps (device allocs / frees / retries: nonzero means the step pays cudaMalloc).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/moe_step_probe.py --layer deepseek_v3 --T 16384
+    PYTHONPATH=.:benchmarks python3 benchmarks/moe_step_probe.py --layer qwen3_235b --b-env KOSMOS_GROUPED_SWIGLU=0
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 
 import torch
 
-from kosmos.kernels.moe_ops import fused_env
 from moe import LAYERS, build_block
 from moe_profile import kernel_times
 
 KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+@contextlib.contextmanager
+def env_set(name: str, value):
+    """os.environ[name] = value (None: unset) inside, restored after."""
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def event_ms(fn, steps: int) -> list:
+    """Sorted CUDA-event times of `steps` back-to-back calls of fn (ms)."""
+    events = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        events.append((a, b))
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in events)
 
 
 def main(argv=None) -> int:
@@ -26,7 +59,10 @@ def main(argv=None) -> int:
     p.add_argument("--T", type=int, default=16384)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--b-env", default="KOSMOS_FUSED_MOE=forward", help="NAME=VALUE of the B side (A: NAME unset)")
+    p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
+    name, value = args.b_env.split("=", 1)
     block, d = build_block(args.layer, "cuda", torch.bfloat16)
     x = torch.randn(1, args.T, d["H"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn_like(x)
@@ -36,33 +72,31 @@ def main(argv=None) -> int:
     def step():
         torch.autograd.grad(f(x), params, g, allow_unused=True)
 
-    for env in (None, "forward", None, "forward"):
-        with fused_env(env):
+    def forward():
+        with torch.no_grad():
+            f(x)
+
+    for env in (None, value) * args.rounds:
+        with env_set(name, env):
             for _ in range(3):
+                forward()
                 step()
+            fwd = event_ms(forward, args.steps)
             torch.cuda.synchronize()
             st0 = torch.cuda.memory_stats()
-            events = []
-            for _ in range(args.steps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                step()
-                b.record()
-                events.append((a, b))
-            torch.cuda.synchronize()
+            ms = event_ms(step, args.steps)
             st1 = torch.cuda.memory_stats()
-            ms = sorted(a.elapsed_time(b) for a, b in events)
             t0 = time.perf_counter()
             for _ in range(3):
                 step()
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / 3 * 1e3
             kernels = kernel_times(step, 3, "cuda")
-            print(f"env={env}: step ms median {ms[len(ms) // 2]:.2f} min {ms[0]:.2f} max {ms[-1]:.2f}; host wall "
-                  f"{wall:.2f}; kernel sum {sum(kernels.values()):.2f}; "
-                  + " ".join(f"{k}={st1[k] - st0[k]}" for k in KEYS), flush=True)
-            for name, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]:
-                print(f"   {v:8.2f} ms  {name[:100]}")
+            print(f"{name}={env}: fwd ms median {fwd[len(fwd) // 2]:.2f} min {fwd[0]:.2f}; step ms median "
+                  f"{ms[len(ms) // 2]:.2f} min {ms[0]:.2f} max {ms[-1]:.2f}; host wall {wall:.2f}; kernel sum "
+                  f"{sum(kernels.values()):.2f}; " + " ".join(f"{k}={st1[k] - st0[k]}" for k in KEYS), flush=True)
+            for kname, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]:
+                print(f"   {v:8.2f} ms  {kname[:100]}")
     return 0
 
 

@@ -9,6 +9,8 @@ ms are medians over the rounds of each round's median of --reps CUDA-event timed
 by round); TF/s count 2 * rows * K * N over the grouped rows. kosmos_m: kosmos's kernel with a group's m-tiles next
 to each other (grouped_mm(m_fastest=True)); kosmos_mc: the same with tiles claimed from a counter (claim=True);
 kosmos_ms / kosmos_mcs: kosmos_m / kosmos_mc with each tile's rows split between two consumers (config 128x256s).
+--swiglu: the up GEMM alone, kosmos_mcs against kosmos_mcs_rows (+ moe_rows.swiglu_rows) and kosmos_mcs_swiglu (its
+SwiGLU epilogue, gemm_ws_host.launch_grouped_mm_swiglu: h and act in one launch).
 """
 from __future__ import annotations
 
@@ -72,6 +74,17 @@ def wgrad_impls(a, b, ends, out):
     return impls
 
 
+def swiglu_impls(a, b, ends, out):
+    """The up GEMM with its SwiGLU: kosmos's claimed split GEMM then the row kernel, or its SwiGLU epilogue (the act
+    comes out of each; h is `out` for the first, the first of the pair the second returns)."""
+    from kosmos.kernels.gemm_ws_host import grouped_mm, launch_grouped_mm_swiglu
+    from kosmos.kernels.moe_rows import swiglu_rows
+
+    kw = dict(m_fastest=True, claim=True, config="128x256s")
+    return {"kosmos_mcs_rows": lambda: swiglu_rows(grouped_mm(a, b, ends, out=out, **kw)),
+            "kosmos_mcs_swiglu": lambda: launch_grouped_mm_swiglu(a, b, ends, **kw)}
+
+
 def main() -> int:
     from kosmos.kernels.gemm_ws_host import grouped_mm
 
@@ -85,10 +98,15 @@ def main() -> int:
                    help="torch._grouped_mm, kosmos's kernel with n-fastest / m-fastest tiles in a group")
     p.add_argument("--wgrad", action="store_true",
                    help="the weight gradients (impls torch, kosmos, write; also kosmos_<config> of WGRAD_CONFIGS)")
+    p.add_argument("--swiglu", action="store_true",
+                   help="the up GEMM alone with impls kosmos_mcs (the matmul), kosmos_mcs_rows (+ the SwiGLU row "
+                        "kernel) and kosmos_mcs_swiglu (the SwiGLU epilogue: both in one launch)")
     p.add_argument("--json", default="")
     args = p.parse_args()
     if args.wgrad and args.impls == p.get_default("impls"):
         args.impls = "torch,kosmos,write"
+    if args.swiglu and args.impls == p.get_default("impls"):
+        args.impls = "kosmos_mcs,kosmos_mcs_rows,kosmos_mcs_swiglu"
     gen = torch.Generator().manual_seed(0)
     rows = []
     for layer in args.layers.split(","):
@@ -96,7 +114,10 @@ def main() -> int:
         ends_cpu = routed_ends(args.T, E, args.k, gen)
         S = int(ends_cpu[-1])
         ends = ends_cpu.cuda()
-        for name, (a, b) in (wgrad_cases(H, I, S, "cuda") if args.wgrad else cases(H, I, E, S, "cuda")).items():
+        gemms = wgrad_cases(H, I, S, "cuda") if args.wgrad else cases(H, I, E, S, "cuda")
+        if args.swiglu:
+            gemms = {k: v for k, v in gemms.items() if k.startswith("up")}
+        for name, (a, b) in gemms.items():
             if args.wgrad:  # the sum runs over the rows: K is a group's rows, (M, N) the gradient's shape
                 K, N = a.shape[1], b.shape[1]
                 ref = torch._grouped_mm(a.t(), b, offs=ends)
@@ -113,6 +134,8 @@ def main() -> int:
                          "kosmos_ms": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True, config="128x256s"),
                          "kosmos_mcs": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True, claim=True,
                                                           config="128x256s")}
+                if args.swiglu:
+                    impls.update(swiglu_impls(a, b, ends, out))
             unknown = set(args.impls.split(",")) - set(impls)
             if unknown:
                 raise SystemExit(f"--impls: unknown {sorted(unknown)}; here: {sorted(impls)}")
@@ -120,8 +143,9 @@ def main() -> int:
             r = {"layer": layer, "T": args.T, "gemm": name, "S": S, "K": K, "N": N, "rounds": {}}
             for impl, fn in impls.items():
                 if impl not in ("torch", "write"):
-                    fn()
-                    r[f"rel_err_{impl}"] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                    res = fn()
+                    got = res[0] if isinstance(res, tuple) else out
+                    r[f"rel_err_{impl}"] = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
             t = {impl: [] for impl in impls}
             for _ in range(args.rounds):
                 for impl, fn in impls.items():

@@ -9,33 +9,15 @@ allocator's counters over the timed steps (device allocs / frees / retries: nonz
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import time
 
 import torch
 
+from kosmos.kernels.moe_ops import env_var
 from moe import LAYERS, build_block
 from moe_profile import kernel_times
 
 KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
-
-
-@contextlib.contextmanager
-def env_set(name: str, value):
-    """os.environ[name] = value (None: unset) inside, restored after."""
-    old = os.environ.get(name)
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def event_ms(fn, steps: int) -> list:
@@ -77,7 +59,7 @@ def main(argv=None) -> int:
             f(x)
 
     for env in (None, value) * args.rounds:
-        with env_set(name, env):
+        with env_var(name, env):
             for _ in range(3):
                 forward()
                 step()

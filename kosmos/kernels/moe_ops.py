@@ -62,20 +62,25 @@ FP32_ROUTER_REASON = (f"fp32 router on 16-bit hidden states under expert paralle
 
 
 @contextlib.contextmanager
-def fused_env(value: Optional[str]):
-    """KOSMOS_FUSED_MOE = value inside the block (None: unset, the defaults); restored after it."""
-    old = os.environ.get(ENV)
+def env_var(name: str, value: Optional[str]):
+    """os.environ[name] = value inside the block (None: unset); restored after it."""
+    old = os.environ.get(name)
     if value is None:
-        os.environ.pop(ENV, None)
+        os.environ.pop(name, None)
     else:
-        os.environ[ENV] = value
+        os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[ENV] = old
+            os.environ[name] = old
+
+
+def fused_env(value: Optional[str]):
+    """KOSMOS_FUSED_MOE = value inside the block (None: unset, the defaults); restored after it."""
+    return env_var(ENV, value)
 
 
 def enabled(direction: str) -> bool:

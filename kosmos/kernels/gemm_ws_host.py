@@ -154,9 +154,6 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
                       programs: Optional[int] = None, m_fastest: bool = False, claim: bool = False,
                       config: str = "128x256") -> torch.Tensor:
     """grouped_mm for operands grouped_unsupported has already accepted (the ends / out checks still run)."""
-    from kosmos.kernels.gemm import num_sms
-    from kosmos.kernels.grouped_ws import grouped_ws_kernel
-
     S, K = a.shape
     E, _, N = b.shape
     _check_ends(ends, E, a, "grouped_mm")
@@ -174,13 +171,24 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
     c_desc = _descriptor(out, [S, N], out.stride(0), [rows, BN])
     if S == 0 or E == 0:
         return out
+    _launch_grouped(a_desc, b_desc, c_desc, out, out.stride(0), ends, E, N, K, out, b_trans, m_fastest, claim, cfg,
+                    programs, a.device)
+    return out
+
+
+def _launch_grouped(a_desc, b_desc, c_desc, c, ldc, ends, E, N, K, act, b_trans, m_fastest, claim, cfg, programs,
+                    device) -> None:
+    """grouped_ws_kernel on its descriptors (both launchers): the claim counter, the grid, the constexprs."""
+    from kosmos.kernels.gemm import num_sms
+    from kosmos.kernels.grouped_ws import grouped_ws_kernel
+
+    BM, BN, BK = GROUPED_BLOCK
     ends = ends.contiguous()
-    counter = torch.zeros(1, dtype=torch.int32, device=a.device) if claim else ends
-    grouped_ws_kernel[(programs or num_sms(a.device),)](
-        a_desc, b_desc, c_desc, out, out.stride(0), ends, counter, E, N, K, out,
+    counter = torch.zeros(1, dtype=torch.int32, device=device) if claim else ends
+    grouped_ws_kernel[(programs or num_sms(device),)](
+        a_desc, b_desc, c_desc, c, ldc, ends, counter, E, N, K, act,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest, CLAIM=claim,
         num_warps=cfg["CONSUMER_WARPS"], **cfg)
-    return out
 
 
 def _check_ends(ends: torch.Tensor, E: int, a: torch.Tensor, what: str) -> None:
@@ -214,9 +222,6 @@ def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
     a's), rounded as moe_rows.swiglu_rows(h, act_dtype) rounds it; rows past ends[-1] are left unwritten in both.
     m_fastest / claim / config / programs: as launch_grouped_mm's. Raises ValueError for ends, act_dtype, or a B
     whose shape or layout the epilogue cannot take."""
-    from kosmos.kernels.gemm import num_sms
-    from kosmos.kernels.grouped_ws import grouped_ws_kernel
-
     S, K = a.shape
     E, _, N = b.shape
     BM, BN, BK = GROUPED_BLOCK
@@ -238,12 +243,8 @@ def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
     a_desc = _descriptor(a, [S, K], a.stride(0), [rows, BK])
     b_desc = _descriptor(b, [E * N, K], K, [BN // 2, BK])  # a gate or an up block: half a stage
     c_desc = _descriptor(h, [S, N], N, [rows, BN // 2])
-    ends = ends.contiguous()
-    counter = torch.zeros(1, dtype=torch.int32, device=a.device) if claim else ends
-    grouped_ws_kernel[(programs or num_sms(a.device),)](
-        a_desc, b_desc, c_desc, h, N, ends, counter, E, N, K, act,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=True, M_FASTEST=m_fastest, CLAIM=claim,
-        num_warps=cfg["CONSUMER_WARPS"], **cfg)
+    _launch_grouped(a_desc, b_desc, c_desc, h, N, ends, E, N, K, act, True, m_fastest, claim, cfg, programs,
+                    a.device)
     return h, act
 
 

@@ -565,7 +565,7 @@ def router_rows_logits(hidden: torch.Tensor, router_weight: torch.Tensor,
         record_run("router_logits", "torch fp32 linear", reason)
         return None
     record_run("router_logits", "kosmos router_gemm", "fp32 router on bf16 hidden states, TF32 off")
-    return router_gemm.router_logits(hidden, router_weight, router_bias)
+    return router_gemm.launch_router_logits(hidden, router_weight, router_bias)
 
 
 def register() -> None:

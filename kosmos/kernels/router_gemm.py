@@ -69,6 +69,13 @@ def router_logits(hidden: torch.Tensor, router_weight: torch.Tensor,
     reason = unsupported(hidden, router_weight, router_bias)
     if reason is not None:
         raise ValueError(f"kosmos router_gemm: {reason}")
+    return launch_router_logits(hidden, router_weight, router_bias)
+
+
+def launch_router_logits(hidden: torch.Tensor, router_weight: torch.Tensor,
+                         router_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """router_logits for operands `unsupported` has already accepted: the weight split, the tile config, the
+    launch."""
     from kosmos.kernels.moe import split_router_weight
 
     rbm, rbn, bkg, warps, stages = config(hidden.shape[0], router_weight.shape[0], hidden.device)

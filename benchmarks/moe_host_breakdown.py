@@ -1,10 +1,16 @@
 """Host time of one MoE training step under backend="kosmos", split by the reference backward's pieces (perf_counter
 wrappers around kosmos.ops.moe functions) and by op (torch.profiler, CPU self time). Without a GPU it runs tiny dims.
 
-    PYTHONPATH=.:benchmarks python3 benchmarks/moe_host_breakdown.py qwen3_30b_a3b 4096
+    PYTHONPATH=.:benchmarks python3 benchmarks/moe_host_breakdown.py qwen3_30b_a3b 4096 [--cprofile]
+
+--cprofile adds cProfile's view of the same steps (Python functions by own time, and the kosmos ones by
+cumulative time), finer than the wrappers and the profiler's aten ops.
 """
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import sys
 import time
 
@@ -57,7 +63,23 @@ def _kernel_targets() -> list:
     return out
 
 
-def main(layer: str, T: int, steps: int = 20) -> None:
+def cprofile_text(step, sync, steps: int, top: int = 40) -> str:
+    """cProfile of `steps` calls of step(): the top functions by own time, then kosmos's by cumulative time (ms per
+    step)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    sync()
+    prof.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats("kosmos", top)
+    return f"cProfile over {steps} steps (times are totals, divide by {steps}):\n" + out.getvalue()
+
+
+def main(layer: str, T: int, steps: int = 20, cprofile: bool = False) -> None:
     import kosmos  # noqa: F401  (registers the backend)
     from kosmos.ops import moe as om, moe_math as mm
     from torch.profiler import ProfilerActivity, profile
@@ -101,7 +123,9 @@ def main(layer: str, T: int, steps: int = 20) -> None:
             step()
         sync()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    if cprofile:
+        print(cprofile_text(step, sync, steps))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), cprofile="--cprofile" in sys.argv[3:])

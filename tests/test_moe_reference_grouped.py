@@ -543,9 +543,11 @@ def test_gpu_saved_up_backward_bf16():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("w_dtype", [None, torch.bfloat16, torch.float32])
-def test_gpu_fold_kernel_matches_torch(monkeypatch, w_dtype):
-    """The registered fold kernel gives the torch per-slot loop's bits (same fp32 sum order, same roundings)."""
+@pytest.mark.parametrize("w_dtype,out_dtype", [(None, None), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.float32), (torch.float32, torch.bfloat16)])
+def test_gpu_fold_kernel_matches_torch(monkeypatch, w_dtype, out_dtype):
+    """The registered fold kernel gives the torch per-slot loop's bits (same fp32 sum order, same roundings), and
+    with fp32 weights for a bf16 output (DeepSeek-V3's forward) the cast in the same pass."""
     import kosmos.kernels.fused_ops  # noqa: F401
     from kosmos.ops import dispatch
 
@@ -558,7 +560,7 @@ def test_gpu_fold_kernel_matches_torch(monkeypatch, w_dtype):
     def both():
         if weights is None:
             return moe_math._fold(rows, row, T, k, torch.float32)
-        return moe_math._fold_weighted(rows, row, weights)
+        return moe_math._fold_weighted(rows, row, weights, out_dtype)
 
     fused = both()
     if weights is None:  # into a given buffer (the backward folds d_hidden into saved_up's storage): the same bits
@@ -567,11 +569,15 @@ def test_gpu_fold_kernel_matches_torch(monkeypatch, w_dtype):
         scratch = torch.full((T * H * 2,), float("nan"), device="cuda", dtype=torch.bfloat16)
         into = moe_math._storage_as(scratch, (T, H), torch.float32)
         assert moe_rows.fold(rows, row.view(T, k), out=into) is into and torch.equal(into, fused)
+    if out_dtype == torch.bfloat16 and w_dtype == torch.float32:  # the cast in the pass: the fp32 fold's bits cast
+        from kosmos.kernels import moe_rows
+
+        assert torch.equal(fused, moe_rows.fold(rows, row.view(T, k), weights).to(out_dtype))
     monkeypatch.setattr(dispatch, "row_kernel", lambda name, device: None)
     ref = both()
-    assert fused.dtype == ref.dtype and fused.shape == ref.shape == (T, H)
+    assert fused.dtype == ref.dtype == (out_dtype or torch.float32) and fused.shape == ref.shape == (T, H)
     if w_dtype == torch.float32:  # fp32 products: the compiler may fuse product and sum into one FMA
-        assert rel_err(fused, ref) <= 1e-6
+        assert rel_err(fused, ref) <= (1e-6 if out_dtype == torch.float32 else 1e-4)
     else:
         assert torch.equal(fused, ref)
 
@@ -747,3 +753,54 @@ def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch):
     monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "cutlass")
     with pytest.raises(ValueError, match="KOSMOS_GROUPED_WGRAD"):
         grouped_rows_wgrad(a, b, ends)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layer", ["qwen3", "deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("T", [16384, 77])
+def test_gpu_route_select_matches_torch(monkeypatch, layer, T):
+    """route() with the registered selection kernel (the fused forward's) picks the torch ops' experts with their
+    weights: Qwen3-MoE's bf16 softmax router, DeepSeek-V3's fp32 group-limited sigmoid router with its correction
+    bias, Mixtral's fp32 weights on bf16 logits. Rows whose k-th and next logit tie exactly (bf16 logits: the two
+    break ties differently) are left out of the comparison; every other row has the same experts, torch's order
+    where its topk sorts, and weights within one unit of the last place (bf16) or 1e-6 (fp32)."""
+    import kosmos
+    import kosmos.kernels.fused_ops  # noqa: F401
+    from kosmos.ops import dispatch
+
+    E, k, H = {"qwen3": (128, 8, 512), "deepseek_v3": (256, 8, 512), "mixtral": (8, 2, 512)}[layer]
+    g = torch.Generator(device="cuda").manual_seed(T + E)
+    hidden = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    router = torch.randn(E, H, device="cuda", generator=g) / H**0.5
+    args = dict(qwen3=(None, k, "softmax", True, 1, 1, 1.0, None, None),
+                deepseek_v3=(torch.randn(E, device="cuda", generator=g) * 0.1, k, "sigmoid", True, 8, 4, 2.5,
+                             torch.float32, None),
+                mixtral=(None, k, "softmax", True, 1, 1, 1.0, None, torch.float32))[layer]
+    rw = router if layer == "deepseek_v3" else router.to(torch.bfloat16)
+    kosmos.reset_report()
+    logits, ids, weights = moe_math.route(hidden, rw, None, *args)
+    assert ("router_select", "kosmos route_select", "the fused forward's selection") in kosmos.report().runtime
+    real = dispatch.row_kernel
+    monkeypatch.setattr(dispatch, "row_kernel", lambda name, device: None if name == "moe_route_select"
+                        else real(name, device))
+    ref_logits, ref_ids, ref_w = moe_math.route(hidden, rw, None, *args)
+    assert torch.equal(logits, ref_logits)
+    assert ids.dtype == ref_ids.dtype and weights.dtype == ref_w.dtype and ids.shape == ref_ids.shape
+    if args[0] is None:  # the selection follows the logits: ties at the k-th place are ties of the logits
+        top = logits.float().topk(k + 1, dim=-1).values
+        decided = top[:, k - 1] != top[:, k]
+        distinct = (top[:, :-1] != top[:, 1:]).all(dim=1)  # no tie anywhere in the top k + 1
+    else:  # fp32 sigmoid scores plus a bias: no ties to speak of
+        decided = torch.ones(T, dtype=torch.bool, device="cuda")
+    assert decided.float().mean() > 0.7
+    same = (ids.sort(dim=1).values == ref_ids.sort(dim=1).values).all(dim=1)
+    assert same[decided].all(), (~same[decided]).sum().item()
+    if args[2] == "softmax":  # torch's topk sorts: the same order where no two of the top k tie
+        assert distinct.float().mean() > 0.5
+        assert torch.equal(ids[distinct], ref_ids[distinct])
+    order, ref_order = ids.sort(dim=1), ref_ids.sort(dim=1)
+    got = weights.gather(1, order.indices)[decided].double()
+    ref = ref_w.gather(1, ref_order.indices)[decided].double()
+    err = ((got - ref).abs() / ref.abs().clamp(min=1e-30)).max().item()
+    assert err <= (1e-6 if weights.dtype == torch.float32 else 2.0**-7), err

@@ -295,6 +295,25 @@ def test_reference_router_gemm(config):
     assert "wgmma" in k.asm["ptx"]
 
 
+@pytest.mark.parametrize("layer", ["qwen3", "deepseek_v3"])
+def test_reference_route_select(layer):
+    """The reference forward's routing selection (kosmos.kernels.route_select) as its launcher builds it for a
+    Qwen3 router (bf16 logits, 128 experts) and DeepSeek-V3's (fp32, 256 experts in 8 groups, correction bias):
+    no spills."""
+    from kosmos.kernels import route_select
+
+    consts = _qwen3_routing() if layer == "qwen3" else _deepseek_v3_routing()
+    rd = BF if layer == "qwen3" else "fp32"
+    names = ("NORM", "SCALED", "SIGMOID", "HAS_CB", "N_GROUP", "TOPK_GROUP", "SD_ROUND", "CD_ROUND", "TOP_K", "KP",
+             "BLOCK_E")
+    k = compile_sm90(route_select._select_kernel,
+                     dict(**{n: consts[n] for n in names}, BT=route_select.tile_rows(consts["BLOCK_E"]), W_F32=False),
+                     dict(logits=rd, cb="fp32", ids="i64", w=rd, ranks="i32", counts="i32"), floats=("rsf", "eps"),
+                     num_warps=route_select.NUM_WARPS, div16=("E",))
+    rep = _report(k)
+    assert rep["spill_stores"] == 0, rep["text"]
+
+
 def test_moe_forward_joint_gate_up():
     """MoeConfig.joint_gate_up: the UP tile's gate and up blocks as one operand, one wgmma of width 2*BI (64x256 on
     the Qwen3 build) where joint_gate_up=False runs two of width BI; no wgmma serialization (WIDE_FORWARD has it on).

@@ -568,6 +568,27 @@ def router_rows_logits(hidden: torch.Tensor, router_weight: torch.Tensor,
     return router_gemm.launch_router_logits(hidden, router_weight, router_bias)
 
 
+def route_rows_select(logits: torch.Tensor, score_correction_bias: Optional[torch.Tensor], top_k: int, scoring: str,
+                      norm_topk_prob: bool, n_group: int, topk_group: int, routed_scaling_factor: float, eps: float,
+                      weights_dtype: Optional[torch.dtype]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The reference forward's (topk_ids, topk_weights) from the router's logits by kosmos.kernels.route_select
+    (the fused forward's selection, one launch) when it takes them, else None (the caller runs the torch ops).
+    KOSMOS_ROUTE_SELECT: auto (default) or torch (never). The report records which ran and why."""
+    from kosmos.kernels import route_select
+
+    mode = os.environ.get("KOSMOS_ROUTE_SELECT", "auto")
+    if mode not in ("auto", "torch"):
+        raise ValueError(f"KOSMOS_ROUTE_SELECT={mode!r}: expected auto or torch")
+    reason = "KOSMOS_ROUTE_SELECT=torch" if mode == "torch" else route_select.unsupported(
+        logits, score_correction_bias, top_k, scoring, n_group, topk_group, weights_dtype)
+    if reason is not None:
+        record_run("router_select", "torch ops (softmax / sigmoid, topk, gather)", reason)
+        return None
+    record_run("router_select", "kosmos route_select", "the fused forward's selection")
+    return route_select.select(logits, score_correction_bias, top_k, scoring, norm_topk_prob, n_group, topk_group,
+                               routed_scaling_factor, eps, weights_dtype)
+
+
 def register() -> None:
     from kosmos.kernels import moe_pairs, moe_rows
 
@@ -583,3 +604,4 @@ def register() -> None:
     dispatch.register_row_kernel("moe_grouped_mm_swiglu", grouped_rows_mm_swiglu)
     dispatch.register_row_kernel("moe_grouped_wgrad", grouped_rows_wgrad)
     dispatch.register_row_kernel("moe_router_logits", router_rows_logits)
+    dispatch.register_row_kernel("moe_route_select", route_rows_select)

@@ -11,8 +11,9 @@ math for other devices.
         d_au = grad_out rows @ down_proj[e] (unweighted): d_act = d_au * w, d_h = d SwiGLU, d_w = <d_au, act>
     gather_rows(src, index, dtype) -> [len(index), ...]: src[index[r]] cast to dtype, zero where index[r] is out
         of src's rows (the pad rows' sentinel): index_select + index_fill_ + cast in one pass
-    fold(rows, row, weights=None, out=None, add=None) -> [T, H]: sum over slots j (in order, fp32) of rows[row[t, j]]
-        (* weights[t, j], each product rounded to P = promote(rows, weights)), + add; fp32 out, or P with weights
+    fold(rows, row, weights=None, out=None, add=None, dtype=None) -> [T, H]: sum over slots j (in order, fp32) of
+        rows[row[t, j]] (* weights[t, j], each product rounded to P = promote(rows, weights)), + add; fp32 out, or
+        with weights P (then cast to dtype if given)
 
 act is rounded as the ops round it (silu and the product in h's dtype, then `dtype`); the backward's arithmetic
 runs in fp32 and is rounded once at the end (eager rounds after every op: differences are at that dtype's
@@ -134,7 +135,8 @@ def _fold_kernel(rows, row, w, add, out, T, H, TOP_K: tl.constexpr, HAS_W: tl.co
     hs = tl.program_id(1) * BH + tl.arange(0, BH)
     tmask = ts < T
     m = tmask[:, None] & (hs < H)[None, :]
-    P: tl.constexpr = out.dtype.element_ty
+    # ROUND_P: the products' dtype P = promote(rows, weights) is 16-bit, so it is rows' (and weights') dtype
+    P: tl.constexpr = rows.dtype.element_ty
     acc = tl.zeros((BT, BH), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         r = tl.load(row + ts.to(tl.int64) * TOP_K + j, mask=tmask, other=0).to(tl.int64)
@@ -147,13 +149,17 @@ def _fold_kernel(rows, row, w, add, out, T, H, TOP_K: tl.constexpr, HAS_W: tl.co
     at = ts.to(tl.int64)[:, None] * H + hs[None, :]
     if HAS_ADD:
         acc += tl.load(add + at, mask=m, other=0.0).to(tl.float32)
-    tl.store(out + at, acc.to(P), mask=m)
+    if ROUND_P:  # the sum is P's before any cast to out's dtype
+        acc = acc.to(P).to(tl.float32)
+    tl.store(out + at, acc.to(out.dtype.element_ty), mask=m)
 
 
-def fold(rows: torch.Tensor, row: torch.Tensor, weights=None, out=None, add=None) -> torch.Tensor:
+def fold(rows: torch.Tensor, row: torch.Tensor, weights=None, out=None, add=None,
+         dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """[T, H] from rows [S, H] and row [T, k] (indices into rows), optionally weighted by weights [T, k], plus
     add [T, H] (contiguous, any float dtype; added in fp32 to the sum) if given; written into `out` if given
-    (contiguous, not overlapping rows or add)."""
+    (contiguous, not overlapping rows or add). dtype (with weights): the result cast to it from the sum's dtype P
+    as `.to(dtype)` casts it, in the same pass (DeepSeek-V3's fp32 routing weights make P fp32 for a bf16 model)."""
     T, k = row.shape
     if not (rows.is_cuda and rows.is_contiguous() and row.is_contiguous()):
         raise ValueError("kosmos moe_rows.fold: contiguous CUDA tensors expected")
@@ -162,11 +168,14 @@ def fold(rows: torch.Tensor, row: torch.Tensor, weights=None, out=None, add=None
     if add is not None and (add.shape != (T, rows.shape[1]) or not add.is_contiguous()):
         raise ValueError(f"kosmos moe_rows.fold: add {tuple(add.shape)} is not a contiguous [{T}, {rows.shape[1]}]")
     P = torch.float32 if weights is None else torch.promote_types(rows.dtype, weights.dtype)
+    if dtype is not None and weights is None:
+        raise ValueError("kosmos moe_rows.fold: dtype is for weighted folds (an unweighted one is fp32)")
+    D = dtype or P
     if out is None:
-        out = torch.empty(T, rows.shape[1], dtype=P, device=rows.device)
-    elif out.shape != (T, rows.shape[1]) or out.dtype != P or not out.is_contiguous():
+        out = torch.empty(T, rows.shape[1], dtype=D, device=rows.device)
+    elif out.shape != (T, rows.shape[1]) or out.dtype != D or not out.is_contiguous():
         raise ValueError(f"kosmos moe_rows.fold: out {tuple(out.shape)} {out.dtype} is not a contiguous "
-                         f"[{T}, {rows.shape[1]}] {P}")
+                         f"[{T}, {rows.shape[1]}] {D}")
     if T:
         grid = (triton.cdiv(T, 32), triton.cdiv(rows.shape[1], 256))
         _fold_kernel[grid](rows, row, weights if weights is not None else rows, add if add is not None else rows, out,

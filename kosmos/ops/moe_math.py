@@ -31,12 +31,7 @@ def _route_forward(hidden, router_weight, router_bias, score_correction_bias, to
     # which fp32 operands hold bf16 values (split_mm takes them as one part)
     exact = dict(weight_exact=router_weight.dtype == torch.bfloat16, hidden_exact=hidden.dtype == torch.bfloat16,
                  hidden_dtype=hidden.dtype)
-    if router_dtype is not None:
-        router_weight = router_weight.to(router_dtype)
-        router_bias = router_bias.to(router_dtype) if router_bias is not None else None
-        hidden = hidden.to(router_dtype) if logits is None else hidden
-    if logits is None:
-        logits = F.linear(hidden, router_weight, router_bias)
+    hidden, router_weight, logits = _router_linear(hidden, router_weight, router_bias, router_dtype, logits)
     if scoring == "softmax":
         scores = F.softmax(logits, dim=-1, dtype=torch.float32)
     else:
@@ -71,10 +66,32 @@ def _route_forward(hidden, router_weight, router_bias, score_correction_bias, to
     return logits, ids, weights.to(weights_dtype or logits.dtype), state
 
 
+def _router_linear(hidden, router_weight, router_bias, router_dtype, logits=None):
+    """(hidden, router_weight) cast to router_dtype (hidden left as it is if logits are given) and the logits
+    hidden @ router_weight^T + router_bias in router_dtype (or the given ones)."""
+    if router_dtype is not None:
+        router_weight = router_weight.to(router_dtype)
+        router_bias = router_bias.to(router_dtype) if router_bias is not None else None
+        hidden = hidden.to(router_dtype) if logits is None else hidden
+    if logits is None:
+        logits = F.linear(hidden, router_weight, router_bias)
+    return hidden, router_weight, logits
+
+
 def route(hidden, router_weight, router_bias, score_correction_bias, top_k: int, scoring: str, norm_topk_prob: bool,
           n_group: int, topk_group: int, routed_scaling_factor: float, router_dtype, weights_dtype=None):
-    """The router of the module docstring: returns (logits [T, E], topk_ids [T, k], topk_weights [T, k])."""
+    """The router of the module docstring: returns (logits [T, E], topk_ids [T, k], topk_weights [T, k]). On CUDA
+    the selection from the logits is one registered kernel where it takes them (the fused forward's: ties and
+    roundings as there)."""
     logits = _router_logits_kernel(hidden, router_weight, router_bias, router_dtype)
+    if logits is None:
+        logits = _router_linear(hidden, router_weight, router_bias, router_dtype)[2]
+    kernel = dispatch.row_kernel("moe_route_select", logits.device)
+    if kernel is not None:
+        picked = kernel(logits, score_correction_bias, top_k, scoring, norm_topk_prob, n_group, topk_group,
+                        routed_scaling_factor, _SIGMOID_NORM_EPS if scoring == "sigmoid" else 0.0, weights_dtype)
+        if picked is not None:
+            return (logits, *picked)
     logits, ids, weights, _ = _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring,
                                              norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
                                              logits=logits, weights_dtype=weights_dtype)
@@ -441,22 +458,23 @@ def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation:
     x = rows.gather(hidden, dtype=gate_up_proj.dtype)
     up, act = _experts_up_act(x, gate_up_proj, rows.groups, down_proj.dtype)
     y = _grouped_mm(act, down_proj.transpose(1, 2), rows.groups)
-    res = (_fold_weighted(y, rows.row, topk_weights).to(hidden.dtype), rows.counts.to(torch.int32))
+    res = (_fold_weighted(y, rows.row, topk_weights, hidden.dtype), rows.counts.to(torch.int32))
     return res + (up,) if return_up else res
 
 
-def _fold_weighted(y, row, topk_weights):
-    """[T, H]: sum over the slots j of y[row[t * k + j]] * topk_weights[t, j], each product in the promoted
-    dtype, summed in fp32 one slot at a time, rounded once to the promoted dtype (no [T, k, H] temporary)."""
+def _fold_weighted(y, row, topk_weights, dtype):
+    """[T, H] in dtype: sum over the slots j of y[row[t * k + j]] * topk_weights[t, j], each product in the promoted
+    dtype, summed in fp32 one slot at a time, rounded once to the promoted dtype, then cast to dtype (no [T, k, H]
+    temporary; the row kernel casts in the same pass)."""
     num_tokens, top_k = topk_weights.shape
     row = row.view(num_tokens, top_k)
     kernel = dispatch.row_kernel("moe_fold", y.device)
     if kernel is not None and y.is_contiguous():
-        return kernel(y, row, topk_weights.contiguous())
+        return kernel(y, row, topk_weights.contiguous(), dtype=dtype)
     acc = (y[row[:, 0]] * topk_weights[:, :1]).float()
     for j in range(1, top_k):
         acc += y[row[:, j]] * topk_weights[:, j : j + 1]
-    return acc.to(torch.promote_types(y.dtype, topk_weights.dtype))
+    return acc.to(torch.promote_types(y.dtype, topk_weights.dtype)).to(dtype)
 
 
 def experts_backward_saved_rows(grad_out, hidden, rows, topk_weights, gate_up_proj, down_proj, saved_up,
@@ -568,7 +586,7 @@ def ep_experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activati
     x = plan.dispatch(hidden[plan.token].to(gate_up_proj.dtype))
     act = _act(_grouped_mm(x, gate_up_proj.transpose(1, 2), plan.groups), down_proj.dtype)
     y_home = plan.combine(_grouped_mm(act, down_proj.transpose(1, 2), plan.groups))  # [T * k, H], sorted-pair order
-    return _fold_weighted(y_home, plan.row, topk_weights).to(hidden.dtype), plan.global_counts()
+    return _fold_weighted(y_home, plan.row, topk_weights, hidden.dtype), plan.global_counts()
 
 
 def ep_experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str,

@@ -19,7 +19,7 @@ ROUTERS = {  # E, k, scoring, norm, n_group, topk_group, scaling, logits dtype, 
     "deepseek_v3": (256, 8, "sigmoid", True, 8, 4, 2.5, torch.float32, True),
 }
 # (rows per program, warps): route_select's default (tile_rows, NUM_WARPS) first
-CONFIGS = [(None, 8), (8, 4), (8, 8), (16, 4), (4, 4), (32, 8)]
+CONFIGS = [(None, 4), (8, 4), (8, 8), (16, 8), (32, 8)]
 
 
 def main():

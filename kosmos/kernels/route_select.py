@@ -18,13 +18,15 @@ import triton.language as tl
 from kosmos.kernels.moe_route import select_stored_tile
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-NUM_WARPS = 8
+NUM_WARPS = 4
 
 
 def tile_rows(block_e: int) -> int:
-    """Token rows per program for block_e expert columns: [rows, block_e] tiles of 4096 values on NUM_WARPS warps
-    stay in registers (tests/test_sm90_codegen.py builds both models' tiles without spills)."""
-    return max(1, min(64, 4096 // block_e))
+    """Token rows per program for block_e expert columns: 4 for Qwen3-MoE's 128 and DeepSeek-V3's 256 experts, the
+    fastest of six (rows, warps) choices on the H200 (benchmarks/route_select.py, RESULTS.md fortieth session:
+    0.126 ms at DeepSeek-V3's T = 16384 where [16, 256] tiles on 8 warps took 0.167, 0.028 ms at Qwen3's where
+    [32, 128] took 0.040); [rows, block_e] tiles of at most 512 values otherwise."""
+    return max(4, min(64, 512 // block_e))
 
 
 @triton.jit

@@ -51,7 +51,8 @@ def test_route_takes_the_registered_kernel_for_an_fp32_router_on_bf16(monkeypatc
     # a 16-bit router (Qwen3's) never asks; a declining kernel leaves torch's GEMM
     moe_math.route(hidden, weight.bfloat16(), None, None, 8, "softmax", True, 1, 1, 1.0, None)
     assert len(asked) == 2  # (the equality check above made the second call)
-    monkeypatch.setattr(dispatch, "row_kernel", lambda name, device: (lambda h, w, b: None))
+    monkeypatch.setattr(dispatch, "row_kernel", lambda name, device: (lambda h, w, b: None)
+                        if name == "moe_router_logits" else None)
     want = F.linear(hidden.float(), weight)
     assert torch.equal(moe_math.route(hidden, weight, None, bias, **DEEPSEEK_ROUTER)[0], want)
 

@@ -1,5 +1,6 @@
-"""kosmos.kernels.moe_rows' forward SwiGLU row kernel on the CPU under TRITON_INTERPRET=1 against the torch math of
-kosmos.ops.moe_math._swiglu (the reference forward's act), in subprocesses (tests/_interp.py)."""
+"""kosmos.kernels.moe_rows' forward SwiGLU row kernel and its fold on the CPU under TRITON_INTERPRET=1 against the
+torch math of kosmos.ops.moe_math (_swiglu: the reference forward's act; _fold_weighted / _fold: the forward's
+weighted fold into hidden's dtype and the backward's fp32 fold plus an add), in subprocesses (tests/_interp.py)."""
 from __future__ import annotations
 
 import _interp
@@ -12,6 +13,13 @@ CASES = {
     "fp16_one_row": (1, 40, torch.float16, torch.float16),
     "fp32": (65, 257, torch.float32, torch.float32),
     "fp16_rows_fp32_act": (33, 64, torch.float16, torch.float32),
+}
+# fold cases (T, k, H, weights dtype or None: unweighted with an fp32 add, out dtype, tile): fp16 products rounded
+# to fp16, fp32 weights into an fp16 result (the cast in the pass), the backward's fold, tiles cut short
+FOLD_CASES = {
+    "fold_fp16_weights": (37, 4, 300, torch.float16, torch.float16, (32, 256, 4)),
+    "fold_fp32_weights_fp16_out": (40, 3, 96, torch.float32, torch.float16, (16, 64, 4)),
+    "fold_backward_fp32_add": (33, 2, 130, None, torch.float32, (8, 128, 4)),
 }
 
 
@@ -35,11 +43,38 @@ def _check_case(S, I, dtype, act_dtype):
     return {"differing": differ, "max_rel": err}
 
 
+def _check_fold(T, k, H, w_dtype, out_dtype, tile):
+    import triton
+
+    from kosmos.kernels import moe_rows
+    from kosmos.ops import moe_math
+
+    g = torch.Generator().manual_seed(T * k)
+    rows = torch.randn(T * k + 5, H, generator=g).to(torch.float16)
+    row = torch.randperm(T * k + 5, generator=g)[: T * k].view(T, k).contiguous()
+    w = torch.rand(T, k, generator=g).to(w_dtype) if w_dtype is not None else None
+    add = torch.randn(T, H, generator=g) if w is None else None
+    if w is None:
+        want = moe_math._fold(rows, row.view(-1), T, k, torch.float32, add=add)
+    else:
+        want = moe_math._fold_weighted(rows, row.view(-1), w, out_dtype)
+    got = torch.full((T, H), float("nan"), dtype=out_dtype)
+    bt, bh, warps = tile
+    P = torch.float32 if w is None else torch.promote_types(rows.dtype, w.dtype)
+    moe_rows._fold_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
+        rows, row, w if w is not None else rows, add if add is not None else rows, got, T, H, TOP_K=k,
+        HAS_W=w is not None, ROUND_P=P != torch.float32, HAS_ADD=add is not None, BT=bt, BH=bh, num_warps=warps)
+    assert got.dtype == want.dtype and torch.equal(got, want), (got.double() - want.double()).abs().max().item()
+    return {"equal": True}
+
+
 def _main():
-    _interp.run_cases(list(CASES), {f"case_{n}": (lambda c=c: _check_case(*c)) for n, c in CASES.items()})
+    cases = {f"case_{n}": (lambda c=c: _check_case(*c)) for n, c in CASES.items()}
+    cases.update({f"case_{n}": (lambda c=c: _check_fold(*c)) for n, c in FOLD_CASES.items()})
+    _interp.run_cases(list(CASES) + list(FOLD_CASES), cases)
 
 
-report, test_interpreted_case = _interp.case_tests(__file__, CASES, timeout=300)
+report, test_interpreted_case = _interp.case_tests(__file__, {**CASES, **FOLD_CASES}, timeout=300)
 
 
 if __name__ == "__main__":

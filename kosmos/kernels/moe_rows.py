@@ -29,6 +29,7 @@ import triton.language as tl
 
 BR = 16  # rows per program
 BC = 256  # columns per step
+FOLD_TILE = (32, 256, 4)  # fold's (tokens, columns, warps) per program (benchmarks/moe_gather_rows.py --fold sweeps it)
 
 
 @triton.jit
@@ -155,11 +156,12 @@ def _fold_kernel(rows, row, w, add, out, T, H, TOP_K: tl.constexpr, HAS_W: tl.co
 
 
 def fold(rows: torch.Tensor, row: torch.Tensor, weights=None, out=None, add=None,
-         dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+         dtype: Optional[torch.dtype] = None, tile: tuple = FOLD_TILE) -> torch.Tensor:
     """[T, H] from rows [S, H] and row [T, k] (indices into rows), optionally weighted by weights [T, k], plus
     add [T, H] (contiguous, any float dtype; added in fp32 to the sum) if given; written into `out` if given
     (contiguous, not overlapping rows or add). dtype (with weights): the result cast to it from the sum's dtype P
-    as `.to(dtype)` casts it, in the same pass (DeepSeek-V3's fp32 routing weights make P fp32 for a bf16 model)."""
+    as `.to(dtype)` casts it, in the same pass (DeepSeek-V3's fp32 routing weights make P fp32 for a bf16 model).
+    tile: (tokens, columns, warps) of a program."""
     T, k = row.shape
     if not (rows.is_cuda and rows.is_contiguous() and row.is_contiguous()):
         raise ValueError("kosmos moe_rows.fold: contiguous CUDA tensors expected")
@@ -177,10 +179,11 @@ def fold(rows: torch.Tensor, row: torch.Tensor, weights=None, out=None, add=None
         raise ValueError(f"kosmos moe_rows.fold: out {tuple(out.shape)} {out.dtype} is not a contiguous "
                          f"[{T}, {rows.shape[1]}] {D}")
     if T:
-        grid = (triton.cdiv(T, 32), triton.cdiv(rows.shape[1], 256))
+        bt, bh, warps = tile
+        grid = (triton.cdiv(T, bt), triton.cdiv(rows.shape[1], bh))
         _fold_kernel[grid](rows, row, weights if weights is not None else rows, add if add is not None else rows, out,
                            T, rows.shape[1], TOP_K=k, HAS_W=weights is not None, ROUND_P=P != torch.float32,
-                           HAS_ADD=add is not None, BT=32, BH=256, num_warps=4)
+                           HAS_ADD=add is not None, BT=bt, BH=bh, num_warps=warps)
     return out
 
 

@@ -18,7 +18,7 @@ CASES = [("qwen3_235b", 16384, 4096, 128), ("deepseek_v3", 16384, 7168, 256), ("
 FOLD_TILES = [(32, 256, 4), (16, 256, 4), (64, 256, 8), (32, 512, 8), (16, 512, 4), (8, 1024, 8)]
 
 
-def gather(name, T, H, rows, ids) -> None:
+def gather(name, T, H, rows) -> None:
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     fused = rows.gather(x)
     ms_kernel = triton.testing.do_bench(lambda: rows.gather(x), warmup=50, rep=300)
@@ -61,7 +61,7 @@ def main() -> None:
         torch.manual_seed(0)
         ids = torch.stack([torch.randperm(E, device="cuda")[:8] for _ in range(T)])
         rows = moe_math._SortedPairs(ids, E)
-        gather(name, T, H, rows, ids)
+        gather(name, T, H, rows)
         if args.fold:
             fold(name, T, H, rows, 8)
 

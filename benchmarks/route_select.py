@@ -33,7 +33,7 @@ def main():
     print(f"{'router':>12} {'T':>6} {'impl':>18} {'ms':>8}")
     for name in args.routers.split(","):
         E, k, scoring, norm, n_group, topk_group, scale, dtype, with_bias = ROUTERS[name]
-        eps = 1e-20 if scoring == "sigmoid" else 0.0
+        eps = moe_math._SIGMOID_NORM_EPS if scoring == "sigmoid" else 0.0
         for T in map(int, args.ts.split(",")):
             g = torch.Generator(device="cuda").manual_seed(T)
             logits = (3 * torch.randn(T, E, device="cuda", generator=g)).to(dtype)

@@ -26,7 +26,7 @@ def _check_case(T, E, k, scoring, norm, n_group, topk_group, scale, with_bias, d
     g = torch.Generator().manual_seed(T * E + k)
     logits = (3 * torch.randn(T, E, generator=g)).to(dtype)
     bias = torch.randn(E, generator=g) * 0.1 if with_bias else None
-    eps = 1e-20 if scoring == "sigmoid" else 0.0
+    eps = moe_math._SIGMOID_NORM_EPS if scoring == "sigmoid" else 0.0
     ids, weights = route_select.select(logits, bias, k, scoring, norm, n_group, topk_group, scale, eps, weights_dtype)
     router_weight = torch.empty(E, 1)  # the logits are given: the router GEMM does not run
     _, want_ids, want_w, _ = moe_math._route_forward(torch.empty(T, 1), router_weight, None, bias, k, scoring, norm,

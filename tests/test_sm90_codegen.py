@@ -302,12 +302,9 @@ def test_reference_route_select(layer):
     no spills."""
     from kosmos.kernels import route_select
 
-    consts = _qwen3_routing() if layer == "qwen3" else _deepseek_v3_routing()
+    routing = _qwen3_routing() if layer == "qwen3" else _deepseek_v3_routing()
     rd = BF if layer == "qwen3" else "fp32"
-    names = ("NORM", "SCALED", "SIGMOID", "HAS_CB", "N_GROUP", "TOPK_GROUP", "SD_ROUND", "CD_ROUND", "TOP_K", "KP",
-             "BLOCK_E")
-    k = compile_sm90(route_select._select_kernel,
-                     dict(**{n: consts[n] for n in names}, BT=route_select.tile_rows(consts["BLOCK_E"]), W_F32=False),
+    k = compile_sm90(route_select._select_kernel, route_select.kernel_constexprs(routing),
                      dict(logits=rd, cb="fp32", ids="i64", w=rd, ranks="i32", counts="i32"), floats=("rsf", "eps"),
                      num_warps=route_select.NUM_WARPS, div16=("E",))
     rep = _report(k)

@@ -585,8 +585,8 @@ def route_rows_select(logits: torch.Tensor, score_correction_bias: Optional[torc
         record_run("router_select", "torch ops (softmax / sigmoid, topk, gather)", reason)
         return None
     record_run("router_select", "kosmos route_select", "the fused forward's selection")
-    return route_select.select(logits, score_correction_bias, top_k, scoring, norm_topk_prob, n_group, topk_group,
-                               routed_scaling_factor, eps, weights_dtype)
+    return route_select.launch_select(logits, score_correction_bias, top_k, scoring, norm_topk_prob, n_group,
+                                      topk_group, routed_scaling_factor, eps, weights_dtype)
 
 
 def register() -> None:

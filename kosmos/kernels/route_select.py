@@ -66,6 +66,17 @@ def unsupported(logits: torch.Tensor, score_correction_bias: Optional[torch.Tens
     return None
 
 
+# the routing constexprs (moe.routing_constexprs) that _select_kernel takes
+ROUTING_KEYS = ("NORM", "SCALED", "SIGMOID", "HAS_CB", "N_GROUP", "TOPK_GROUP", "SD_ROUND", "CD_ROUND", "TOP_K", "KP",
+                "BLOCK_E")
+
+
+def kernel_constexprs(routing: dict, tile: Optional[int] = None, w_f32: bool = False) -> dict:
+    """_select_kernel's constexprs from moe.routing_constexprs' dict: its routing keys, the tile's token rows
+    (default tile_rows) and W_F32 (fp32 weights on logits of another dtype)."""
+    return dict(**{key: routing[key] for key in ROUTING_KEYS}, BT=tile or tile_rows(routing["BLOCK_E"]), W_F32=w_f32)
+
+
 def select(logits: torch.Tensor, score_correction_bias: Optional[torch.Tensor], top_k: int, scoring: str,
            norm_topk_prob: bool, n_group: int, topk_group: int, routed_scaling_factor: float, eps: float,
            weights_dtype: Optional[torch.dtype] = None, tile: Optional[int] = None,
@@ -74,29 +85,36 @@ def select(logits: torch.Tensor, score_correction_bias: Optional[torch.Tensor], 
     [T, E]: the reference router's arguments (kosmos.ops.moe_math.route); eps is added to the weights' sum for
     sigmoid scoring. tile / num_warps: token rows per program (default tile_rows) and warps (benchmarks/
     route_select.py sweeps them). Raises ValueError where `unsupported` says why."""
-    from kosmos.kernels.moe import routing_constexprs
-
     reason = unsupported(logits, score_correction_bias, top_k, scoring, n_group, topk_group, weights_dtype)
     if reason is not None:
         raise ValueError(f"kosmos route_select: {reason}")
+    return launch_select(logits, score_correction_bias, top_k, scoring, norm_topk_prob, n_group, topk_group,
+                         routed_scaling_factor, eps, weights_dtype, tile, num_warps)
+
+
+def launch_select(logits: torch.Tensor, score_correction_bias: Optional[torch.Tensor], top_k: int, scoring: str,
+                  norm_topk_prob: bool, n_group: int, topk_group: int, routed_scaling_factor: float, eps: float,
+                  weights_dtype: Optional[torch.dtype] = None, tile: Optional[int] = None,
+                  num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """select for arguments `unsupported` has already accepted: the buffers, the constexprs, the launch."""
+    from kosmos.kernels.moe import routing_constexprs
+
     T, E = logits.shape
     device = logits.device
     ids = torch.empty(T, top_k, dtype=torch.int64, device=device)
     weights = torch.empty(T, top_k, dtype=weights_dtype or logits.dtype, device=device)
     if T == 0:
         return ids, weights
-    c = routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, logits.dtype, None,
-                           score_correction_bias, top_k, E, logits.dtype, logits.dtype, None, weights_dtype)
-    BT = tile or tile_rows(c["BLOCK_E"])
-    tiles = triton.cdiv(T, BT)
+    routing = routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, logits.dtype,
+                                 None, score_correction_bias, top_k, E, logits.dtype, logits.dtype, None,
+                                 weights_dtype)
+    consts = kernel_constexprs(routing, tile, weights.dtype != logits.dtype)
+    tiles = triton.cdiv(T, consts["BT"])
     # the fused forward's per-tile expert counts and per-pair ranks: written, not needed here
     ranks = torch.empty(T, top_k, dtype=torch.int32, device=device)
     counts = torch.empty(tiles, E, dtype=torch.int32, device=device)
     logits = logits.contiguous()
     cb = score_correction_bias.contiguous() if score_correction_bias is not None else logits
     _select_kernel[(tiles,)](logits, cb, ids, weights, ranks, counts, T, E, float(routed_scaling_factor), float(eps),
-                             NORM=c["NORM"], SCALED=c["SCALED"], SIGMOID=c["SIGMOID"], HAS_CB=c["HAS_CB"],
-                             N_GROUP=c["N_GROUP"], TOPK_GROUP=c["TOPK_GROUP"], SD_ROUND=c["SD_ROUND"],
-                             CD_ROUND=c["CD_ROUND"], TOP_K=top_k, KP=c["KP"], BT=BT, BLOCK_E=c["BLOCK_E"],
-                             W_F32=weights.dtype != logits.dtype, num_warps=num_warps)
+                             num_warps=num_warps, **consts)
     return ids, weights

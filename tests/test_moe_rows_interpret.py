@@ -17,7 +17,7 @@ CASES = {
 # fold cases (T, k, H, weights dtype or None: unweighted with an fp32 add, out dtype, tile): fp16 products rounded
 # to fp16, fp32 weights into an fp16 result (the cast in the pass), the backward's fold, tiles cut short
 FOLD_CASES = {
-    "fold_fp16_weights": (37, 4, 300, torch.float16, torch.float16, (32, 256, 4)),
+    "fold_fp16_weights": (37, 4, 300, torch.float16, torch.float16, (16, 256, 4)),
     "fold_fp32_weights_fp16_out": (40, 3, 96, torch.float32, torch.float16, (16, 64, 4)),
     "fold_backward_fp32_add": (33, 2, 130, None, torch.float32, (8, 128, 4)),
 }

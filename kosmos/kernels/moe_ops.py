@@ -61,6 +61,14 @@ FP32_ROUTER_REASON = (f"fp32 router on 16-bit hidden states under expert paralle
                       f"runs tf32x3); {ENV}=forward forces it")
 
 
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """os.environ[name] (default where unset), which must be one of choices: a kosmos switch read at each call."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected {', '.join(choices[:-1])} or {choices[-1]}")
+    return value
+
+
 @contextlib.contextmanager
 def env_var(name: str, value: Optional[str]):
     """os.environ[name] = value inside the block (None: unset); restored after it."""
@@ -85,10 +93,7 @@ def fused_env(value: Optional[str]):
 
 def enabled(direction: str) -> bool:
     """Whether `direction` ("forward" / "backward") may run fused under env KOSMOS_FUSED_MOE."""
-    mode = os.environ.get(ENV, "forward")
-    if mode not in _MODES:
-        raise ValueError(f"{ENV}={mode!r}: expected one of {sorted(_MODES)}")
-    return direction in _MODES[mode]
+    return direction in _MODES[env_choice(ENV, tuple(_MODES), "forward")]
 
 
 def router_precision(rd: torch.dtype, hidden_dtype: Optional[torch.dtype]) -> str:
@@ -439,9 +444,7 @@ def _kosmos_mode(op: str, env: str, modes: tuple[str, ...], unsupported, shape: 
     min_elements or more; "torch" never) when kosmos's kernel for `op` runs, else None with the run of
     torch._grouped_mm and its reason recorded (if `record`). unsupported(): why the kernel cannot take the
     operands, or None."""
-    mode = os.environ.get(env, "auto")
-    if mode not in modes:
-        raise ValueError(f"{env}={mode!r}: expected {', '.join(modes[:-1])} or {modes[-1]}")
+    mode = env_choice(env, modes, "auto")
     reason = f"{env}=torch" if mode == "torch" else unsupported()
     if reason is None and mode == "auto" and shape[0] * shape[1] < min_elements:
         reason = (f"a {shape[0]} x {shape[1]} {what} per expert, where torch's kernel is as fast (kosmos's from "
@@ -516,9 +519,7 @@ def grouped_rows_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
     why."""
     from kosmos.kernels import gemm_ws_host
 
-    switch = os.environ.get("KOSMOS_GROUPED_SWIGLU", "1")
-    if switch not in ("0", "1"):
-        raise ValueError(f"KOSMOS_GROUPED_SWIGLU={switch!r}: expected 0 or 1")
+    switch = env_choice("KOSMOS_GROUPED_SWIGLU", ("0", "1"), "1")
     choice = _grouped_choice(a, b, ends, record=False)  # torch's matmul: grouped_rows_mm records it
     if choice is None:
         return None
@@ -556,11 +557,8 @@ def router_rows_logits(hidden: torch.Tensor, router_weight: torch.Tensor,
     report records which ran and why."""
     from kosmos.kernels import router_gemm
 
-    mode = os.environ.get("KOSMOS_ROUTER_GEMM", "auto")
-    if mode not in ("auto", "torch"):
-        raise ValueError(f"KOSMOS_ROUTER_GEMM={mode!r}: expected auto or torch")
-    reason = "KOSMOS_ROUTER_GEMM=torch" if mode == "torch" else router_gemm.unsupported(hidden, router_weight,
-                                                                                           router_bias)
+    off = env_choice("KOSMOS_ROUTER_GEMM", ("auto", "torch"), "auto") == "torch"
+    reason = "KOSMOS_ROUTER_GEMM=torch" if off else router_gemm.unsupported(hidden, router_weight, router_bias)
     if reason is not None:
         record_run("router_logits", "torch fp32 linear", reason)
         return None
@@ -576,10 +574,8 @@ def route_rows_select(logits: torch.Tensor, score_correction_bias: Optional[torc
     KOSMOS_ROUTE_SELECT: auto (default) or torch (never). The report records which ran and why."""
     from kosmos.kernels import route_select
 
-    mode = os.environ.get("KOSMOS_ROUTE_SELECT", "auto")
-    if mode not in ("auto", "torch"):
-        raise ValueError(f"KOSMOS_ROUTE_SELECT={mode!r}: expected auto or torch")
-    reason = "KOSMOS_ROUTE_SELECT=torch" if mode == "torch" else route_select.unsupported(
+    off = env_choice("KOSMOS_ROUTE_SELECT", ("auto", "torch"), "auto") == "torch"
+    reason = "KOSMOS_ROUTE_SELECT=torch" if off else route_select.unsupported(
         logits, score_correction_bias, top_k, scoring, n_group, topk_group, weights_dtype)
     if reason is not None:
         record_run("router_select", "torch ops (softmax / sigmoid, topk, gather)", reason)

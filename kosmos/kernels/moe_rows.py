@@ -29,7 +29,9 @@ import triton.language as tl
 
 BR = 16  # rows per program
 BC = 256  # columns per step
-FOLD_TILE = (32, 256, 4)  # fold's (tokens, columns, warps) per program (benchmarks/moe_gather_rows.py --fold sweeps it)
+# fold's (tokens, columns, warps) per program: of ten tiles, the fastest forward and backward folds on an H200
+# (benchmarks/RESULTS.md, forty-first session; benchmarks/moe_gather_rows.py --fold sweeps them)
+FOLD_TILE = (8, 256, 4)
 
 
 @triton.jit

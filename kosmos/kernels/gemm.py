@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -427,10 +426,6 @@ def input_precision(dtype: torch.dtype) -> str:
     raise GemmUnsupported(f"gemm: unsupported dtype {dtype}")
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _operand_layout(name: str, t: torch.Tensor) -> tuple[bool, int]:
     """(transposed, leading stride in elements) of a 2-D operand: row-major -> (False, stride(0)); a transposed
     view of a row-major tensor -> (True, stride(1)). A single row/column takes any stride; it gets the
@@ -515,7 +510,7 @@ def check_operands(a, b, bias=None, out=None) -> GemmLayout:
             raise GemmUnsupported(f"gemm: out must be {a.dtype} [{M}, {N}] on {a.device}")
         if out.numel() and _operand_layout("out", out)[0]:
             raise GemmUnsupported("gemm: out must be row-major")
-    if a.device.type != "cuda" and not _interpreting():
+    if a.device.type != "cuda" and not runtime.interpreting():
         raise GemmUnsupported(f"gemm: {a.device.type} tensors (the persistent GEMM needs CUDA)")
     if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device)[0] < 9:
         raise GemmUnsupported("gemm: TMA descriptors need compute capability >= 9.0")

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from typing import Optional
 
 import torch
+
+from kosmos.kernels import runtime
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,7 +43,7 @@ def _descriptor(t: torch.Tensor, shape, lead: int, block):
 
 def cannot_run_here(a: torch.Tensor) -> Optional[str]:
     """Why a Gluon sm_90 kernel cannot run on a's device in this process, or None."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if runtime.interpreting():
         return "the Triton interpreter does not run Gluon kernels"
     if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) != (9, 0):
         return "wgmma needs an sm_90 GPU"

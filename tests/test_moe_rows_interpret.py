@@ -44,8 +44,6 @@ def _check_case(S, I, dtype, act_dtype):
 
 
 def _check_fold(T, k, H, w_dtype, out_dtype, tile):
-    import triton
-
     from kosmos.kernels import moe_rows
     from kosmos.ops import moe_math
 
@@ -59,11 +57,7 @@ def _check_fold(T, k, H, w_dtype, out_dtype, tile):
     else:
         want = moe_math._fold_weighted(rows, row.view(-1), w, out_dtype)
     got = torch.full((T, H), float("nan"), dtype=out_dtype)
-    bt, bh, warps = tile
-    P = torch.float32 if w is None else torch.promote_types(rows.dtype, w.dtype)
-    moe_rows._fold_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
-        rows, row, w if w is not None else rows, add if add is not None else rows, got, T, H, TOP_K=k,
-        HAS_W=w is not None, ROUND_P=P != torch.float32, HAS_ADD=add is not None, BT=bt, BH=bh, num_warps=warps)
+    moe_rows.launch_fold(rows, row, w, add, got, tile)
     assert got.dtype == want.dtype and torch.equal(got, want), (got.double() - want.double()).abs().max().item()
     return {"equal": True}
 

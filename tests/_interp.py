@@ -39,11 +39,44 @@ def mend_interpreter_splat() -> None:
     builder._kosmos_splat_mended = True
 
 
+def mend_interpreter_index() -> None:
+    """Makes triton's interpreter turn a one-element block into an index by its one item. triton 3.6 does it by
+    int(data), which numpy >= 2.4 refuses for a 1-d array ("only 0-dimensional arrays can be converted to Python
+    scalars", triton-lang/triton#9171): `tl.range(tl.program_id(0), ...)` then fails in every persistent kernel."""
+    import triton.runtime.interpreter as interp
+
+    if getattr(interp, "_kosmos_index_mended", False):
+        return
+    patch_tensor = interp._patch_lang_tensor
+
+    def index(self):
+        return int(self.handle.data.item())
+
+    def _patch_lang_tensor(tensor, scope):
+        # triton's own __index__ is never set, not even for a moment: in the threads subprocess every rank's
+        # device-function calls patch again while the other ranks' kernels run
+        set_attr = scope.set_attr
+        scope.set_attr = lambda obj, name, value: set_attr(obj, name, index if name == "__index__" else value)
+        try:
+            patch_tensor(tensor, scope)
+        finally:
+            del scope.set_attr
+
+    interp._patch_lang_tensor = _patch_lang_tensor
+    interp._kosmos_index_mended = True
+
+
+def mend_interpreter() -> None:
+    """Every mend of triton's interpreter these tests need; each interpreter subprocess calls it first."""
+    mend_interpreter_splat()
+    mend_interpreter_index()
+
+
 def run_cases(cases, namespace: dict, *args) -> None:
     """namespace["case_" + name](*args) for each case (or the names given on the command line); prints
     "REPORT {name: {ok, info | error, tb}}"."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    mend_interpreter_splat()
+    mend_interpreter()
     report = {}
     for name in sys.argv[1:] or cases:
         t0 = time.perf_counter()
@@ -58,7 +91,8 @@ def run_cases(cases, namespace: dict, *args) -> None:
 def collect(path: str, timeout: int, cases) -> dict:
     """Runs the test module at `path` as a script under the interpreter, its `cases` dealt out among one subprocess
     per core; the merged report."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     names = list(cases)
     jobs = min(len(names), len(os.sched_getaffinity(0)), 4)
     procs = [subprocess.Popen([sys.executable, path, *names[i::jobs]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

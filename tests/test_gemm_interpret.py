@@ -21,11 +21,13 @@ INTERPRETED = textwrap.dedent("""
     import os
     assert os.environ["TRITON_INTERPRET"] == "1"
     import torch
+    from _interp import mend_interpreter
     from kosmos.kernels.gemm import GemmConfig, GemmUnsupported, gemm
 
     def rel_err(out, ref):
         return ((out.double() - ref).norm() / ref.norm()).item()
 
+    mend_interpreter()
     torch.manual_seed(0)
     configs = [GemmConfig(32, 32, 16, num_stages=2, num_warps=4),
                GemmConfig(32, 64, 16, num_stages=2, num_warps=4, group_m=2, epilogue_subtile=False, flatten=False)]
@@ -82,7 +84,7 @@ INTERPRETED = textwrap.dedent("""
 
 def test_kernel_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

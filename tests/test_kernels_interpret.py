@@ -651,10 +651,10 @@ def _main() -> None:
 
     # still running near the parent's timeout: every thread's stack to stderr, then exit (the parent shows it)
     faulthandler.dump_traceback_later(_TIMEOUT_S - 30, exit=True)
-    from _interp import mend_interpreter_splat
+    from _interp import mend_interpreter
 
     torch.manual_seed(0)
-    mend_interpreter_splat()
+    mend_interpreter()
     names = sys.argv[1:]
     if names and names[0] == "--threads":
         _threaded_interpreter()

@@ -19,8 +19,8 @@ PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider -o faulthandler_timeout=10
 rc_gpu=0 rc_pass=0 rc_tp=0 rc_gemm=0 rc_moe=0 rc_ep=0
 
 # 1. every test marked gpu, in ten groups at once; 2. pass snapshots and backend on this machine's torch. Beside
-# the ten groups the CPU-bound pass tests have never finished inside a call's limit (thirteenth to forty-second
-# sessions: cut after ~50 items, none failed); for all of them give them a call of their own (SKIP_TESTS=1).
+# the GPU groups the CPU-bound pass tests were cut by their limit in every run RESULTS.md records (fifth,
+# thirteenth, twentieth, forty-second sessions; none failed): for all of them, a call of their own (SKIP_TESTS=1).
 run_group() {  # run_group N pytest-args...: one group in the background, its log tests_gpu_N.log
     local n=$1; shift
     timeout ${TEST_TIMEOUT:-480} $PYTEST -m gpu "$@" --junitxml="$OUT/junit_gpu_$n.xml" > "$OUT/tests_gpu_$n.log" 2>&1 &

@@ -42,7 +42,8 @@ def mend_interpreter_splat() -> None:
 def mend_interpreter_index() -> None:
     """Makes triton's interpreter turn a one-element block into an index by its one item. triton 3.6 does it by
     int(data), which numpy >= 2.4 refuses for a 1-d array ("only 0-dimensional arrays can be converted to Python
-    scalars", triton-lang/triton#9171): `tl.range(tl.program_id(0), ...)` then fails in every persistent kernel."""
+    scalars", triton-lang/triton#9171): `tl.range(tl.program_id(0), ...)` then fails in every persistent kernel.
+    triton 3.7 to 3.9 take the item themselves, through the same _patch_lang_tensor(tensor, scope)."""
     import triton.runtime.interpreter as interp
 
     if getattr(interp, "_kosmos_index_mended", False):

@@ -89,11 +89,18 @@ def run_cases(cases, namespace: dict, *args) -> None:
     print("REPORT " + json.dumps(report))
 
 
+def interpreter_env() -> dict:
+    """The environment of an interpreter subprocess: TRITON_INTERPRET=1, the repository and tests/ ahead of the
+    caller's PYTHONPATH."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    return env
+
+
 def collect(path: str, timeout: int, cases) -> dict:
     """Runs the test module at `path` as a script under the interpreter, its `cases` dealt out among one subprocess
     per core; the merged report."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env = interpreter_env()
     names = list(cases)
     jobs = min(len(names), len(os.sched_getaffinity(0)), 4)
     procs = [subprocess.Popen([sys.executable, path, *names[i::jobs]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -7,15 +7,14 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from _interp import REPO, interpreter_env
 
 from kosmos.kernels.gemm import (CONFIGS, GemmConfig, GemmUnsupported, gemm, input_precision, plan_gemm,
                                  select_config)
 
-REPO = Path(__file__).resolve().parents[1]
 
 INTERPRETED = textwrap.dedent("""
     import os
@@ -83,10 +82,8 @@ INTERPRETED = textwrap.dedent("""
 
 
 def test_kernel_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=interpreter_env(), cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "INTERPRETED_OK 102" in proc.stdout, proc.stdout[-2000:]
 

@@ -678,12 +678,11 @@ _TIMEOUT_S = 300
 
 
 def _run_subprocess(args):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    from _interp import REPO, interpreter_env
+
     try:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=env, capture_output=True,
-                              text=True, timeout=_TIMEOUT_S, cwd=root)
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *args], env=interpreter_env(),
+                              capture_output=True, text=True, timeout=_TIMEOUT_S, cwd=REPO)
     except subprocess.TimeoutExpired as e:
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         raise AssertionError(f"interpreter subprocess still running after {_TIMEOUT_S} s:\n{err[-12000:]}") from None

@@ -13,9 +13,12 @@ importable by name (a module-level function). NVLink multicast stays off in NCCL
 """
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import functools
 import multiprocessing.util
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -62,16 +65,26 @@ def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Ca
     os._exit(0)
 
 
+@functools.cache
+def _ranks_inductor_cache() -> str:
+    """The Inductor cache folder of every run_ranks call of this process, removed when it exits."""
+    path = tempfile.mkdtemp(prefix="kosmos_ranks_inductor_")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def run_ranks(fn: Callable, world_size: int, *args: Any, threads: int = 1, backend: str = "gloo",
               timeout: float | None = None) -> list:
     """Runs fn(rank, world_size, *args) on `world_size` ranks of `backend`; returns their results by rank.
 
-    The ranks share a private Inductor cache (a fresh folder), so runs beside this one cannot race on
-    its files, but not its FX graph cache: a graph one rank loaded from another's compile would skip the
-    kosmos passes there, and that rank's kosmos.report() would miss the rewrites."""
+    The ranks of every call from this process share a private Inductor cache (a fresh folder, so runs beside
+    this one cannot race on its files): a C++ kernel that one rank or an earlier call compiled is loaded, not
+    built again (about a fifth of tests/test_numerics_gloo.py's time on 2 cores). Not its FX graph cache: a
+    graph loaded from another compile would skip the kosmos passes, and that rank's kosmos.report() would miss
+    the rewrites."""
     with tempfile.TemporaryDirectory(prefix="kosmos_dist_") as tmp:
         store_path = os.path.join(tmp, "store")
-        env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
+        env = {"TORCHINDUCTOR_CACHE_DIR": _ranks_inductor_cache(), "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:

@@ -74,7 +74,8 @@ def test_swiglu_builds_for_sm90(config, m_fastest, claim):
     assert "setmaxnreg.dec" in ptx and "wgmma.mma_async" in ptx
     consumers = 2 if config == "128x256s" else 1
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared", ptx)) == 2 * consumers
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx)) == consumers + 2
+    # the loads' destination is shared::cluster in triton 3.6's PTX, shared::cta in 3.8's
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::(?:cluster|cta)\.global", ptx)) == consumers + 2
     stores = re.findall(r"\bst\.global\.(\S+)", ptx)
     assert stores and set(stores) == {"v4.b32"}, sorted(set(stores))
 

@@ -10,7 +10,10 @@ by round); TF/s count 2 * rows * K * N over the grouped rows. kosmos_m: kosmos's
 to each other (grouped_mm(m_fastest=True)); kosmos_mc: the same with tiles claimed from a counter (claim=True);
 kosmos_ms / kosmos_mcs: kosmos_m / kosmos_mc with each tile's rows split between two consumers (config 128x256s).
 --swiglu: the up GEMM alone, kosmos_mcs against kosmos_mcs_rows (+ moe_rows.swiglu_rows) and kosmos_mcs_swiglu (its
-SwiGLU epilogue, gemm_ws_host.launch_grouped_mm_swiglu: h and act in one launch).
+SwiGLU epilogue, gemm_ws_host.launch_grouped_mm_swiglu: h and act in one launch); also gather_swiglu (the rows
+gathered from the layer's T tokens by moe_rows.gather_rows, then kosmos_mcs_swiglu: what the reference forward runs)
+and swiglu_gathered (the rows gathered inside the launch, launch_grouped_mm_swiglu(rows=...)); the rows of all of
+them are that gathered copy.
 """
 from __future__ import annotations
 
@@ -74,15 +77,24 @@ def wgrad_impls(a, b, ends, out):
     return impls
 
 
-def swiglu_impls(a, b, ends, out):
-    """The up GEMM with its SwiGLU: kosmos's claimed split GEMM then the row kernel, or its SwiGLU epilogue (the act
-    comes out of each; h is `out` for the first, the first of the pair the second returns)."""
+def swiglu_impls(a, b, ends, out, src, rows):
+    """The up GEMM with its SwiGLU: kosmos's claimed split GEMM then the row kernel, or its SwiGLU epilogue, on the
+    rows a; or those rows gathered from src by rows first (a is that copy) or inside the launch (the act comes out
+    of each; h is `out` for the first, the first of the pair the others return)."""
     from kosmos.kernels.gemm_ws_host import grouped_mm, launch_grouped_mm_swiglu
-    from kosmos.kernels.moe_rows import swiglu_rows
+    from kosmos.kernels.moe_rows import gather_rows, swiglu_rows
 
     kw = dict(m_fastest=True, claim=True, config="128x256s")
     return {"kosmos_mcs_rows": lambda: swiglu_rows(grouped_mm(a, b, ends, out=out, **kw)),
-            "kosmos_mcs_swiglu": lambda: launch_grouped_mm_swiglu(a, b, ends, **kw)}
+            "kosmos_mcs_swiglu": lambda: launch_grouped_mm_swiglu(a, b, ends, **kw),
+            "gather_swiglu": lambda: launch_grouped_mm_swiglu(gather_rows(src, rows), b, ends, **kw),
+            "swiglu_gathered": lambda: launch_grouped_mm_swiglu(src, b, ends, rows=rows, **kw)}
+
+
+def routed_rows(T: int, ends_cpu: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """int64 source rows of the sorted pairs: each group led by a pad row (T), the rest tokens in [0, T)."""
+    sizes = torch.diff(ends_cpu, prepend=ends_cpu.new_zeros(1)).tolist()
+    return torch.cat([torch.cat([torch.tensor([T]), torch.randint(0, T, (n - 1,), generator=gen)]) for n in sizes])
 
 
 def main() -> int:
@@ -100,13 +112,14 @@ def main() -> int:
                    help="the weight gradients (impls torch, kosmos, write; also kosmos_<config> of WGRAD_CONFIGS)")
     p.add_argument("--swiglu", action="store_true",
                    help="the up GEMM alone with impls kosmos_mcs (the matmul), kosmos_mcs_rows (+ the SwiGLU row "
-                        "kernel) and kosmos_mcs_swiglu (the SwiGLU epilogue: both in one launch)")
+                        "kernel), kosmos_mcs_swiglu (the SwiGLU epilogue: both in one launch), gather_swiglu (the "
+                        "row gather, then the epilogue) and swiglu_gathered (the rows gathered in the launch)")
     p.add_argument("--json", default="")
     args = p.parse_args()
     if args.wgrad and args.impls == p.get_default("impls"):
         args.impls = "torch,kosmos,write"
     if args.swiglu and args.impls == p.get_default("impls"):
-        args.impls = "kosmos_mcs,kosmos_mcs_rows,kosmos_mcs_swiglu"
+        args.impls = "kosmos_mcs,kosmos_mcs_rows,kosmos_mcs_swiglu,gather_swiglu,swiglu_gathered"
     gen = torch.Generator().manual_seed(0)
     rows = []
     for layer in args.layers.split(","):
@@ -115,8 +128,13 @@ def main() -> int:
         S = int(ends_cpu[-1])
         ends = ends_cpu.cuda()
         gemms = wgrad_cases(H, I, S, "cuda") if args.wgrad else cases(H, I, E, S, "cuda")
-        if args.swiglu:
-            gemms = {k: v for k, v in gemms.items() if k.startswith("up")}
+        if args.swiglu:  # the up GEMM's rows: a gathered copy of T tokens, as the layer has them
+            from kosmos.kernels.moe_rows import gather_rows
+
+            (x, b_up), = [v for k, v in gemms.items() if k.startswith("up")]
+            src, src_rows = torch.randn(args.T, H, device="cuda", dtype=x.dtype), routed_rows(args.T, ends_cpu, gen)
+            src_rows = src_rows.cuda()
+            gemms = {"up (fwd, K-contig B)": (gather_rows(src, src_rows), b_up)}
         for name, (a, b) in gemms.items():
             if args.wgrad:  # the sum runs over the rows: K is a group's rows, (M, N) the gradient's shape
                 K, N = a.shape[1], b.shape[1]
@@ -135,7 +153,7 @@ def main() -> int:
                          "kosmos_mcs": lambda: grouped_mm(a, b, ends, out=out, m_fastest=True, claim=True,
                                                           config="128x256s")}
                 if args.swiglu:
-                    impls.update(swiglu_impls(a, b, ends, out))
+                    impls.update(swiglu_impls(a, b, ends, out, src, src_rows))
             unknown = set(args.impls.split(",")) - set(impls)
             if unknown:
                 raise SystemExit(f"--impls: unknown {sorted(unknown)}; here: {sorted(impls)}")

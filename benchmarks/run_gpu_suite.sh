@@ -31,7 +31,7 @@ summary() {  # pytest's count line of a log (a warning printed at exit can come 
     grep -E "[0-9]+ (passed|failed|error|skipped|deselected)" "$1" | tail -1 | grep . || tail -1 "$1"
 }
 pids=() names=()
-GROUPED_FILES="--ignore tests/test_grouped_ws_gpu.py --ignore tests/test_grouped_wgrad_gpu.py --ignore tests/test_grouped_swiglu.py --ignore tests/test_moe_reference_grouped.py"
+GROUPED_FILES="--ignore tests/test_grouped_ws_gpu.py --ignore tests/test_grouped_wgrad_gpu.py --ignore tests/test_grouped_swiglu.py --ignore tests/test_grouped_gather.py --ignore tests/test_moe_reference_grouped.py"
 if [ -z "$SKIP_TESTS" ]; then
     run_group 0 tests/test_fused_gpu.py -k ag_gemm
     run_group 1 tests/test_fused_gpu.py tests/test_gemm_gpu.py -k "not ag_gemm"

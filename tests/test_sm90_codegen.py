@@ -89,7 +89,7 @@ def test_grouped_warp_specialized(b_trans, m_fastest, claim, config):
     k = compile_sm90_gluon(grouped_ws.grouped_ws_kernel,
                            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest,
                                 CLAIM=claim, **cfg),
-                           dict(c_ptr=BF, ends_ptr="i32", claim_ptr="i32"),
+                           dict(c_ptr=BF, ends_ptr="i32", claim_ptr="i32", src_ptr=BF, idx_ptr="i64"),
                            dict(a_desc=(torch.bfloat16, (rows, bk)),
                                 b_desc=(torch.bfloat16, (bn, bk) if b_trans else (bk, bn)),
                                 c_desc=(torch.bfloat16, (rows, bn))),

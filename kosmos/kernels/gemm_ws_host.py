@@ -99,11 +99,12 @@ GROUPED_BLOCK = (128, 256, 64)  # BLOCK_M, BLOCK_N, BLOCK_K: ws256_1c's tiles (g
 
 # grouped_ws_kernel's launch configs: "128x256" one 8-warp consumer per tile; "128x256s" the tile's rows split
 # between two 4-warp consumers that release each stage on their own (no CTA barrier across the two warpgroups in
-# the K loop), the lower one skipping its MMAs where its rows are all past the group's end. SWIGLU stays in every
-# entry (launch_grouped_mm_swiglu sets it): a build that left it out would take it as a runtime argument.
+# the K loop), the lower one skipping its MMAs where its rows are all past the group's end. SWIGLU and GATHER stay
+# in every entry (launch_grouped_mm_swiglu sets them): a build that left one out would take it as a runtime argument.
 GROUPED_CONFIGS = {
-    "128x256": dict(NUM_CONSUMERS=1, CONSUMER_WARPS=8, CONSUMER_REGS=0, PRODUCER_REGS=40, SWIGLU=False),
-    "128x256s": dict(NUM_CONSUMERS=2, CONSUMER_WARPS=4, CONSUMER_REGS=232, PRODUCER_REGS=40, SWIGLU=False),
+    "128x256": dict(NUM_CONSUMERS=1, CONSUMER_WARPS=8, CONSUMER_REGS=0, PRODUCER_REGS=40, SWIGLU=False, GATHER=False),
+    "128x256s": dict(NUM_CONSUMERS=2, CONSUMER_WARPS=4, CONSUMER_REGS=232, PRODUCER_REGS=40, SWIGLU=False,
+                     GATHER=False),
 }
 
 
@@ -178,16 +179,19 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
 
 
 def _launch_grouped(a_desc, b_desc, c_desc, c, ldc, ends, E, N, K, act, b_trans, m_fastest, claim, cfg, programs,
-                    device) -> None:
-    """grouped_ws_kernel on its descriptors (both launchers): the claim counter, the grid, the constexprs."""
+                    device, gather=None) -> None:
+    """grouped_ws_kernel on its descriptors (both launchers): the claim counter, the grid, the constexprs. gather:
+    (src, rows) of a GATHER build (A's row r is src[rows[r]]), else None."""
     from kosmos.kernels.gemm import num_sms
     from kosmos.kernels.grouped_ws import grouped_ws_kernel
 
     BM, BN, BK = GROUPED_BLOCK
     ends = ends.contiguous()
     counter = torch.zeros(1, dtype=torch.int32, device=device) if claim else ends
+    src, rows = gather if gather is not None else (c, ends)  # (unused without GATHER)
+    gathered = (src.shape[0], rows.shape[0], src.stride(0) // 8) if gather is not None else (0, 0, 0)
     grouped_ws_kernel[(programs or num_sms(device),)](
-        a_desc, b_desc, c_desc, c, ldc, ends, counter, E, N, K, act,
+        a_desc, b_desc, c_desc, c, ldc, ends, counter, E, N, K, act, src, rows, *gathered,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest, CLAIM=claim,
         num_warps=cfg["CONSUMER_WARPS"], **cfg)
 
@@ -217,16 +221,22 @@ SWIGLU_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, *, m_fastest: bool = False,
                              claim: bool = False, config: str = "128x256", act_dtype: Optional[torch.dtype] = None,
-                             programs: Optional[int] = None):
+                             programs: Optional[int] = None, rows: Optional[torch.Tensor] = None):
     """(h [S, 2I], act [S, I]) in one launch, for operands swiglu_unsupported has already accepted: h is
     launch_grouped_mm(a, b, ends)'s [gate | up] (the same bits) and act = silu(gate) * up in act_dtype (default
     a's), rounded as moe_rows.swiglu_rows(h, act_dtype) rounds it; rows past ends[-1] are left unwritten in both.
-    m_fastest / claim / config / programs: as launch_grouped_mm's. Raises ValueError for ends, act_dtype, or a B
+    m_fastest / claim / config / programs: as launch_grouped_mm's. rows (int64 [S], contiguous): A is gathered in
+    the launch, its row r being a[rows[r]], a zero row where rows[r] is not a row of a (as in
+    moe_rows.gather_rows; the MoE pad rows carry a.shape[0]): the bits of the call on that gathered copy, which is
+    never written (gather_unsupported says what it needs). Raises ValueError for ends, act_dtype, rows, or a B
     whose shape or layout the epilogue cannot take."""
-    S, K = a.shape
+    S, K = a.shape if rows is None else (rows.shape[0], a.shape[1])
     E, _, N = b.shape
     BM, BN, BK = GROUPED_BLOCK
     _check_ends(ends, E, a, "grouped_mm_swiglu")
+    reason = None if rows is None else gather_unsupported(a, rows)
+    if reason is not None:
+        raise ValueError(f"kosmos grouped_mm_swiglu: {reason}")
     if N % BN:
         raise ValueError(f"kosmos grouped_mm_swiglu: N = {N} is not 2I with I a multiple of {BN // 2}")
     if grouped_b_trans(b) is not True:
@@ -240,13 +250,34 @@ def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
     if S == 0 or E == 0 or N == 0:
         return h, act
     cfg = {**GROUPED_CONFIGS[config], "SWIGLU": True}
-    rows = BM // cfg["NUM_CONSUMERS"]  # a consumer's rows of a tile
-    a_desc = _descriptor(a, [S, K], a.stride(0), [rows, BK])
+    if rows is not None:
+        cfg.update(GATHER=True, PRODUCER_REGS=GATHER_PRODUCER_REGS)
+    tile_rows = BM // cfg["NUM_CONSUMERS"]  # a consumer's rows of a tile
+    # (gathered, a_desc only gives the kernel A's dtype and shared layout)
+    a_desc = _descriptor(a, [a.shape[0], K], a.stride(0), [tile_rows, BK])
     b_desc = _descriptor(b, [E * N, K], K, [BN // 2, BK])  # a gate or an up block: half a stage
-    c_desc = _descriptor(h, [S, N], N, [rows, BN // 2])
+    c_desc = _descriptor(h, [S, N], N, [tile_rows, BN // 2])
     _launch_grouped(a_desc, b_desc, c_desc, h, N, ends, E, N, K, act, True, m_fastest, claim, cfg, programs,
-                    a.device)
+                    a.device, None if rows is None else (a, rows))
     return h, act
+
+
+# The gathering producer's registers: its four warps' cp.async addressing spills at 40 (sm_90 build on the CPU,
+# forty-fourth session), not at 56; the first consumer still gets 216 then (the kernel is built for 168).
+GATHER_PRODUCER_REGS = 56
+
+
+def gather_unsupported(src: torch.Tensor, rows: torch.Tensor) -> Optional[str]:
+    """Why launch_grouped_mm_swiglu cannot gather A's rows from src by rows, or None: rows a contiguous int64 [S] on
+    src's device; src row-major, its rows a multiple of the K block long (the gathered copies have no column mask)
+    and 16-byte aligned (each thread copies 16 bytes)."""
+    if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous() or rows.device != src.device:
+        return (f"gather rows must be a contiguous int64 [S] on {src.device}, not {rows.dtype} {tuple(rows.shape)} "
+                f"on {rows.device}")
+    if src.dim() != 2 or src.shape[1] % GROUPED_BLOCK[2] or src.stride(0) % 8 or src.stride(1) != 1:
+        return (f"gathered rows of shape {tuple(src.shape)}, strides {src.stride()} (row-major, 16-byte aligned rows "
+                f"of a multiple of {GROUPED_BLOCK[2]} elements)")
+    return None
 
 
 # From this many rows per group on average, tiles claimed from a counter pay: with 132 tiles at work in the static

@@ -40,14 +40,21 @@ columns are column block j (BLOCK_N / 2 wide) of the gate rows and the same bloc
 halves of each B stage, so one tile holds both factors of act[:, block j]. The epilogue writes both halves to their
 places in h = [gate | up] (the backward reads them) and act = silu(gate) * up [S, I], computed from the rounded h
 tile in shared memory with moe_rows.swiglu_rows' roundings. Needs I a multiple of BLOCK_N / 2.
+
+GATHER (SWIGLU builds; the op's KOSMOS_GROUPED_GATHER=1): the up projection reads its rows straight from the hidden
+states by the sorted pairs' token index, copied by a four-warp producer with cp.async (zero rows for the pad rows),
+so the gathered [S, H] copy that moe_rows.gather_rows writes and this kernel reads back is never made (the row
+gather: 0.348 ms of Qwen3-235B's T = 16384 forward, 0.608 of DeepSeek-V3's, fortieth session). Built and checked
+for sm_90 on the CPU in the forty-fourth session; not yet run on a GPU, hence opt-in.
 """
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, tma
 
-from kosmos.kernels.gemm_ws import _load_k_range, _load_split_k_range, _mma_k_range, _store_tile, _tma_load, _tma_store
+from kosmos.kernels.gemm_ws import (_cta_barrier, _load_k_range, _load_split_k_range, _mma_k_range, _store_tile,
+                                    _tma_load, _tma_store)
 
 
 @gluon.jit
@@ -96,12 +103,13 @@ def _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _publish(ids, empty, it, t, STAGES: gl.constexpr):
+def _publish(ids, empty, it, t, STAGES: gl.constexpr, WARPS: gl.constexpr):
     """Writes tile t into the id slot of stage `it`, once the stage is released (its last reader has read the slot
-    too): the consumer reads it after the stage's ready barrier, whose arrival releases this store."""
+    too): the consumer reads it after the stage's ready barrier, whose arrival releases this store. WARPS: the
+    producer's."""
     s = it % STAGES
     mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-    ids.index(s).store(gl.full([1], t, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0])))
+    ids.index(s).store(gl.full([1], t, gl.int32, layout=gl.BlockedLayout([1], [32], [WARPS], [0])))
 
 
 @gluon.jit
@@ -148,7 +156,7 @@ def _grouped_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_p
         off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
         b_base = e * (N if B_TRANS else K)
         if CLAIM:
-            _publish(ids, empty, it, t, STAGES)
+            _publish(ids, empty, it, t, STAGES, 1)
         if SWIGLU:  # N = 2I: column block j of the plain tiles' numbering is gate / up block j
             it = _load_swiglu_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m,
                                       off_n // BLOCK_N * (BLOCK_N // 2), b_base, N // BLOCK_N * (BLOCK_N // 2),
@@ -165,8 +173,100 @@ def _grouped_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_p
             t += gl.num_programs(0)
         e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, e, start, end, tile0, BLOCK_M)
     if CLAIM:
-        _publish(ids, empty, it, -1, STAGES)
+        _publish(ids, empty, it, -1, STAGES, 1)
         mbarrier.arrive(ready.index(it % STAGES))
+
+
+@gluon.jit
+def _gather_rows(idx_ptr, off_m, S, T_src, ld8, ROWS: gl.constexpr, layout: gl.constexpr):
+    """(element offset of each row's source row in src, whether it has one) for rows [off_m, off_m + ROWS) of A:
+    row r is src[idx[r]]; rows past S and indices that are not a row of src (the pad rows' sentinel T_src) have
+    none (zero rows, as moe_rows.gather_rows has them). ld8: src's row stride in 16-byte units (written as a product
+    of 8, so the copies' alignment is known)."""
+    r = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    src_row = gl.load(idx_ptr + r, mask=r < S, other=T_src)
+    return src_row.to(gl.int64) * ld8 * 8, (r < S) & (src_row >= 0) & (src_row < T_src)
+
+
+@gluon.jit
+def _gather_block(src_ptr, row_off, has_row, dst, ki, BLOCK_K: gl.constexpr, layout: gl.constexpr):
+    """Starts the copies of K block ki of the gathered rows into dst (cp.async, 16 bytes a thread; rows without a
+    source are zero-filled). K is a multiple of BLOCK_K (the launcher's check): no column mask."""
+    cols = ki * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    mask = has_row[:, None] & (cols >= 0)[None, :]
+    async_copy.async_copy_global_to_shared(dst, src_ptr + row_off[:, None] + cols[None, :], mask=mask)
+
+
+@gluon.jit
+def _gathered_arrive(ready, it, pending: gl.constexpr, STAGES: gl.constexpr):
+    """Once at most `pending` groups of this thread's copies are still in flight, makes the landed rows visible to
+    the MMAs (proxy fence, then every producer thread past a barrier) and arrives on the ready barrier of stage
+    it - pending (none where that is before stage 0)."""
+    async_copy.wait_group(pending)
+    fence_async_shared()
+    _cta_barrier()
+    mbarrier.arrive(ready.index((it - pending + STAGES) % STAGES), pred=it >= pending)
+
+
+@gluon.jit
+def _gathered_producer(src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_ptr,
+                       ends_ptr, E, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                       STAGES: gl.constexpr, M_FASTEST: gl.constexpr, CLAIM: gl.constexpr,
+                       NUM_CONSUMERS: gl.constexpr, WARPS: gl.constexpr):
+    """_grouped_producer of a SWIGLU build for A rows gathered from src by idx (GATHER): B's gate / up blocks by TMA
+    as there, A by cp.async, so the gathered copy of the rows is never written. A stage's ready barrier counts two
+    arrivals: B's expected bytes, and its A rows landed, which the partition reports one stage later, after issuing
+    the next stage's copies (cp.async writes through the generic proxy: each thread waits for its own copies, fences
+    them for the async proxy the wgmma reads through, and one thread arrives past a barrier of all). One stage, not
+    more: the report of stage s comes after the wait for stage s + LAG's slot, which a consumer frees only once it
+    has issued its MMAs on stage s + LAG + 1 - STAGES, so LAG <= STAGES - 2 or it waits on itself."""
+    gl.static_assert(STAGES >= 3, "a stage being filled, one landing, one read")
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
+    HALF: gl.constexpr = BLOCK_N // 2
+    LAG: gl.constexpr = 1
+    b_bytes: gl.constexpr = BLOCK_N * BLOCK_K * b_desc.dtype.primitive_bitwidth // 8
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    if CLAIM:
+        first = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
+    else:
+        first = gl.program_id(0)
+    t, e, start, end, tile0, it = _first_cursor(first, ends_ptr, E, num_pid_n, BLOCK_M)
+    while e < E:
+        off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
+        b_base = e * N
+        off_g = off_n // BLOCK_N * HALF
+        if CLAIM:
+            _publish(ids, empty, it, t, STAGES, WARPS)
+        off0, has0 = _gather_rows(idx_ptr, off_m, S, T_src, ld8, ROWS, layout)
+        if NUM_CONSUMERS == 2:
+            off1, has1 = _gather_rows(idx_ptr, off_m + ROWS, S, T_src, ld8, ROWS, layout)
+        for ki in range(0, k_tiles):
+            s = it % STAGES
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), b_bytes)
+            # gate block j and up block j (I further on) in the stage's halves, as _load_swiglu_k_range
+            _tma_load(b_desc, [b_base + off_g, ki * BLOCK_K], ready.index(s), b_bufs.index(s).slice(0, HALF))
+            _tma_load(b_desc, [b_base + N // BLOCK_N * HALF + off_g, ki * BLOCK_K], ready.index(s),
+                      b_bufs.index(s).slice(HALF, HALF))
+            if NUM_CONSUMERS == 1:
+                _gather_block(src_ptr, off0, has0, a_bufs.index(s), ki, BLOCK_K, layout)
+            else:
+                _gather_block(src_ptr, off0, has0, a_bufs[0].index(s), ki, BLOCK_K, layout)
+                _gather_block(src_ptr, off1, has1, a_bufs[1].index(s), ki, BLOCK_K, layout)
+            async_copy.commit_group()
+            _gathered_arrive(ready, it, LAG, STAGES)
+            it += 1
+        if CLAIM:
+            t = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
+        else:
+            t += gl.num_programs(0)
+        e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, e, start, end, tile0, BLOCK_M)
+    _gathered_arrive(ready, it - 1, 0, STAGES)  # the last stage's rows
+    if CLAIM:
+        _publish(ids, empty, it, -1, STAGES, WARPS)
+        mbarrier.arrive(ready.index(it % STAGES), count=2)
 
 
 @gluon.jit
@@ -307,11 +407,45 @@ def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c
 
 
 @gluon.jit
-def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E, N, K, act_ptr,
+def _warp_specialize_gathered(a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b_desc, c_desc, c_ptr, ldc, ends_ptr,
+                              claim_ptr, E, N, K, act_ptr, src_ptr, idx_ptr, T_src, S, ld8, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                              B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                              CONSUMER_WARPS: gl.constexpr, CLAIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, SWIGLU: gl.constexpr):
+    """grouped_ws_kernel's partitions with GATHER: its consumers, and _gathered_producer on four warps."""
+    gl.static_assert(SWIGLU, "GATHER: the SWIGLU builds (the forward's up projection) only")
+    ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
+    if NUM_CONSUMERS == 1:
+        gl.warp_specialize([
+            (_grouped_consumer, (a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(0), c_ptr, ldc,
+                                 act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                 B_TRANS, M_FASTEST, CLAIM, 0, ROWS, SWIGLU)),
+            (_gathered_producer, (src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, ready, empty, ids,
+                                  claim_ptr, ends_ptr, E, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, M_FASTEST,
+                                  CLAIM, NUM_CONSUMERS, 4)),
+        ], [4], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_grouped_consumer, (a_bufs[0], b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(0), c_ptr,
+                                 ldc, act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                 B_TRANS, M_FASTEST, CLAIM, 0, ROWS, SWIGLU)),
+            (_grouped_consumer, (a_bufs[1], b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(1), c_ptr,
+                                 ldc, act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                 B_TRANS, M_FASTEST, CLAIM, ROWS, ROWS, SWIGLU)),
+            (_gathered_producer, (src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, ready, empty, ids,
+                                  claim_ptr, ends_ptr, E, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, M_FASTEST,
+                                  CLAIM, NUM_CONSUMERS, 4)),
+        ], [CONSUMER_WARPS, 4], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E, N, K, act_ptr, src_ptr, idx_ptr,
+                      T_src, S, ld8,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                       B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                       CONSUMER_WARPS: gl.constexpr, CLAIM: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 1,
-                      CONSUMER_REGS: gl.constexpr = 0, SWIGLU: gl.constexpr = False):
+                      CONSUMER_REGS: gl.constexpr = 0, SWIGLU: gl.constexpr = False, GATHER: gl.constexpr = False):
     """C = A @ B[group] per row group; grid <= #SMs, num_warps = CONSUMER_WARPS (the first consumer; a one-warp
     producer is a worker). a_desc [S, K] block [BLOCK_M // NUM_CONSUMERS, BLOCK_K]; b_desc over B as 2D, [E * K,
     N] block [BLOCK_K, BLOCK_N] or (B_TRANS) [E * N, K] block [BLOCK_N, BLOCK_K]; c_desc [S, N] block
@@ -321,11 +455,20 @@ def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E
     NUM_CONSUMERS = 2: two consumers of CONSUMER_WARPS warps (CONSUMER_REGS registers for the worker among them)
     split each tile's rows and release each stage on their own (the empty barriers count both), so no CTA
     barrier spans two warpgroups in the K loop. (Three such consumers of a 192-row tile would need 13 warps, which
-    triton pads to 16: 128 registers a thread, too few for a wgmma of 64 x 256.)
+    triton pads to 16: 128 registers a thread, too few for a wgmma of 64 x 256. ptxas builds every partition under
+    that launch cap, setmaxnreg.inc notwithstanding: "Insufficient registers (128) ... register target of 154 or
+    higher" (built on the CPU, forty-fourth session). Even a perfect split of the 64K registers over 512 threads
+    leaves a consumer 160.)
 
     SWIGLU (B_TRANS, N = 2I, I a multiple of BLOCK_N / 2): C = h = [gate | up] and act [S, I] = silu(gate) * up at
     act_ptr, both contiguous; b_desc blocks of BLOCK_N / 2 rows, c_desc blocks of BLOCK_N / 2 columns. Without it
-    act_ptr is unused (any pointer). Always pass SWIGLU: a constexpr left out turns into a runtime argument."""
+    act_ptr is unused (any pointer). Always pass SWIGLU and GATHER: a constexpr left out turns into a runtime
+    argument.
+
+    GATHER: A's row r is src[idx[r]]: src_ptr [T_src, K] with a row stride of 8 * ld8 elements, in a_desc's dtype
+    (a_desc only gives the rows' dtype and shared layout then); idx_ptr int64 [S]; a zero row where r >= S or idx[r]
+    is not in [0, T_src). A four-warp producer loads them with cp.async (_gathered_producer), so the gathered rows
+    are never written out. Without it src_ptr / idx_ptr / T_src / S / ld8 are unused."""
     dtype: gl.constexpr = a_desc.dtype
     ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
     if NUM_CONSUMERS == 1:
@@ -344,10 +487,18 @@ def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # unused: no turns taken
     ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # CLAIM's tile ids
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        if GATHER:  # B's bytes, and the gathered rows landed
+            mbarrier.init(ready.index(i), count=2)
+        else:
+            mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
     # (the argument tuples stay literal: a tuple assigned to a name turns its constexprs into tensors)
-    if NUM_CONSUMERS == 1:
+    if GATHER:
+        _warp_specialize_gathered(a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b_desc, c_desc, c_ptr, ldc,
+                                  ends_ptr, claim_ptr, E, N, K, act_ptr, src_ptr, idx_ptr, T_src, S, ld8, BLOCK_M,
+                                  BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, PRODUCER_REGS, CONSUMER_WARPS, CLAIM,
+                                  NUM_CONSUMERS, CONSUMER_REGS, SWIGLU)
+    elif NUM_CONSUMERS == 1:
         gl.warp_specialize([
             (_grouped_consumer, (a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(0), c_ptr, ldc,
                                  act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,

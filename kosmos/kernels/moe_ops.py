@@ -465,14 +465,14 @@ def _grouped_auto_size(rows: int, groups: int) -> tuple[bool, int]:
     return claimed, CLAIMED_EXPERT if claimed else WIDE_EXPERT
 
 
-def _grouped_choice(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
-                    record: bool = True) -> Optional[tuple[bool, bool, str]]:
+def _grouped_choice(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, record: bool = True,
+                    rows: Optional[int] = None) -> Optional[tuple[bool, bool, str]]:
     """(m_fastest, claim, config) of kosmos's ragged-M grouped GEMM for these operands by KOSMOS_GROUPED_MM /
     KOSMOS_GROUPED_CONFIG (grouped_rows_mm's docstring), or None where torch._grouped_mm runs (recorded if
-    `record`)."""
+    `record`). rows: A's row count where a is the source its rows are gathered from (default a's)."""
     from kosmos.kernels import gemm_ws_host
 
-    claimed, least = _grouped_auto_size(a.shape[0], ends.numel())
+    claimed, least = _grouped_auto_size(a.shape[0] if rows is None else rows, ends.numel())
     mode = _kosmos_mode("grouped_mm", "KOSMOS_GROUPED_MM", ("auto", "kosmos", "kosmos_m", "kosmos_mc", "torch"),
                         lambda: gemm_ws_host.grouped_unsupported(a, b), b.shape[1:], "weight", "kosmos_m", least,
                         record)
@@ -532,6 +532,34 @@ def grouped_rows_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
     record_run("grouped_mm_swiglu", _grouped_impl(*choice) + " swiglu", "supported")
     return gemm_ws_host.launch_grouped_mm_swiglu(a, b, ends, m_fastest=m_fastest, claim=claim, config=config,
                                                  act_dtype=act_dtype)
+
+
+GATHER_ENV = "KOSMOS_GROUPED_GATHER"
+
+
+def grouped_rows_mm_swiglu_gathered(src: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
+                                    act_dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """grouped_rows_mm_swiglu of the rows src[rows] (zero rows where rows >= src.shape[0]: the pad rows), gathered
+    inside the launch by the grouped GEMM's producer (gemm_ws_host.launch_grouped_mm_swiglu's rows), so the gathered
+    copy is never written; the same bits. Opt-in: KOSMOS_GROUPED_GATHER=1 (default 0: built and checked on the CPU
+    in the forty-fourth session, not yet run or timed on a GPU). None where it is off, and where
+    grouped_rows_mm_swiglu would not run its kernel or the gather cannot (recorded): the caller gathers the rows and
+    asks that."""
+    from kosmos.kernels import gemm_ws_host
+
+    if env_choice(GATHER_ENV, ("0", "1"), "0") == "0":
+        return None
+    choice = _grouped_choice(src, b, ends, record=False, rows=rows.shape[0])
+    reason = ("the up projection runs torch._grouped_mm" if choice is None else gemm_ws_host.swiglu_unsupported(src, b)
+              or gemm_ws_host.gather_unsupported(src, rows)
+              or (None if act_dtype in gemm_ws_host.SWIGLU_ACT_DTYPES else f"act dtype {act_dtype}"))
+    if reason is not None:
+        record_run("grouped_mm_gather", "moe_gather_rows, then the up projection", reason)
+        return None
+    record_run("grouped_mm_swiglu", _grouped_impl(*choice) + " swiglu gathered", "supported")
+    m_fastest, claim, config = choice
+    return gemm_ws_host.launch_grouped_mm_swiglu(src, b, ends, m_fastest=m_fastest, claim=claim, config=config,
+                                                 act_dtype=act_dtype, rows=rows)
 
 
 def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:
@@ -598,6 +626,7 @@ def register() -> None:
     dispatch.register_row_kernel("moe_sorted_pairs", moe_pairs.sorted_pairs)
     dispatch.register_row_kernel("moe_grouped_mm", grouped_rows_mm)
     dispatch.register_row_kernel("moe_grouped_mm_swiglu", grouped_rows_mm_swiglu)
+    dispatch.register_row_kernel("moe_grouped_mm_swiglu_gathered", grouped_rows_mm_swiglu_gathered)
     dispatch.register_row_kernel("moe_grouped_wgrad", grouped_rows_wgrad)
     dispatch.register_row_kernel("moe_router_logits", router_rows_logits)
     dispatch.register_row_kernel("moe_route_select", route_rows_select)

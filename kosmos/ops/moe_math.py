@@ -334,6 +334,19 @@ def _experts_up_act(x, gate_up_proj, groups, down_dtype):
     return up, _act(up, down_dtype)
 
 
+def _experts_up_act_gathered(hidden, rows, gate_up_proj, down_dtype):
+    """_experts_up_act of rows.gather(hidden) by the registered CUDA kernel that gathers the rows inside the up
+    projection's launch (the gathered copy is never written), or None where none is registered, it declines, or the
+    gather would cast (hidden not in the weights' dtype): the caller gathers."""
+    if hidden.dtype != gate_up_proj.dtype or not hidden.is_contiguous():
+        return None
+    kernel = dispatch.row_kernel("moe_grouped_mm_swiglu_gathered", hidden.device)
+    b = gate_up_proj.transpose(1, 2)
+    if kernel is None or not _grouped_kernel(hidden, b, len(rows.groups)):
+        return None
+    return kernel(hidden, rows.token, b, rows.groups.ends, down_dtype)
+
+
 def _swiglu_backward(gate, up, silu, d_act):
     """d[gate | up] of act = silu(gate) * up, given d_act (in silu's dtype)."""
     sig = torch.sigmoid(gate)
@@ -455,8 +468,11 @@ def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation:
     docstring with return_up). A pair whose id is E (the sentinel) is not computed: it adds 0."""
     num_tokens, top_k = topk_ids.shape
     rows = _SortedPairs(topk_ids, gate_up_proj.shape[0])
-    x = rows.gather(hidden, dtype=gate_up_proj.dtype)
-    up, act = _experts_up_act(x, gate_up_proj, rows.groups, down_proj.dtype)
+    up_act = _experts_up_act_gathered(hidden, rows, gate_up_proj, down_proj.dtype)
+    if up_act is None:
+        x = rows.gather(hidden, dtype=gate_up_proj.dtype)
+        up_act = _experts_up_act(x, gate_up_proj, rows.groups, down_proj.dtype)
+    up, act = up_act
     y = _grouped_mm(act, down_proj.transpose(1, 2), rows.groups)
     res = (_fold_weighted(y, rows.row, topk_weights, hidden.dtype), rows.counts.to(torch.int32))
     return res + (up,) if return_up else res

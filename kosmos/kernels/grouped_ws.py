@@ -56,6 +56,10 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 from kosmos.kernels.gemm_ws import (_cta_barrier, _load_k_range, _load_split_k_range, _mma_k_range, _store_tile,
                                     _tma_load, _tma_store)
 
+# cp.async: async_copy_global_to_shared on triton 3.6 and 3.7, async_load from 3.8 (3.9 removed the old name); the same
+# arguments
+_cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
 
 @gluon.jit
 def _next_group(ends_ptr, E, mt, e, start, end, tile0, BLOCK_M: gl.constexpr):
@@ -194,7 +198,7 @@ def _gather_block(src_ptr, row_off, has_row, dst, ki, BLOCK_K: gl.constexpr, lay
     source are zero-filled). K is a multiple of BLOCK_K (the launcher's check): no column mask."""
     cols = ki * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     mask = has_row[:, None] & (cols >= 0)[None, :]
-    async_copy.async_copy_global_to_shared(dst, src_ptr + row_off[:, None] + cols[None, :], mask=mask)
+    _cp_async_load(dst, src_ptr + row_off[:, None] + cols[None, :], mask=mask)
 
 
 @gluon.jit

@@ -107,6 +107,29 @@ def _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
+def _producer_first_tile(claim_ptr, ends_ptr, E, num_pid_n, BLOCK_M: gl.constexpr, CLAIM: gl.constexpr):
+    """A producer's first tile (its program id, or CLAIM's first claim) with the cursor at its group and the stage
+    counter at 0 (_first_cursor's tuple)."""
+    if CLAIM:
+        first = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
+    else:
+        first = gl.program_id(0)
+    return _first_cursor(first, ends_ptr, E, num_pid_n, BLOCK_M)
+
+
+@gluon.jit
+def _producer_next_tile(t, claim_ptr, ends_ptr, E, num_pid_n, e, start, end, tile0, BLOCK_M: gl.constexpr,
+                        CLAIM: gl.constexpr):
+    """A producer's tile after t (the next claim, or t + the program count) and the cursor moved to its group."""
+    if CLAIM:
+        t = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
+    else:
+        t += gl.num_programs(0)
+    e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, e, start, end, tile0, BLOCK_M)
+    return t, e, start, end, tile0
+
+
+@gluon.jit
 def _publish(ids, empty, it, t, STAGES: gl.constexpr, WARPS: gl.constexpr):
     """Writes tile t into the id slot of stage `it`, once the stage is released (its last reader has read the slot
     too): the consumer reads it after the stage's ready barrier, whose arrival releases this store. WARPS: the
@@ -151,11 +174,7 @@ def _grouped_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_p
     no block."""
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    if CLAIM:
-        first = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
-    else:
-        first = gl.program_id(0)
-    t, e, start, end, tile0, it = _first_cursor(first, ends_ptr, E, num_pid_n, BLOCK_M)
+    t, e, start, end, tile0, it = _producer_first_tile(claim_ptr, ends_ptr, E, num_pid_n, BLOCK_M, CLAIM)
     while e < E:
         off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
         b_base = e * (N if B_TRANS else K)
@@ -171,11 +190,8 @@ def _grouped_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_p
         else:
             it = _load_split_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, k_tiles, it,
                                      NUM_CONSUMERS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, b_base)
-        if CLAIM:
-            t = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
-        else:
-            t += gl.num_programs(0)
-        e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, e, start, end, tile0, BLOCK_M)
+        t, e, start, end, tile0 = _producer_next_tile(t, claim_ptr, ends_ptr, E, num_pid_n, e, start, end, tile0,
+                                                      BLOCK_M, CLAIM)
     if CLAIM:
         _publish(ids, empty, it, -1, STAGES, 1)
         mbarrier.arrive(ready.index(it % STAGES))
@@ -232,11 +248,7 @@ def _gathered_producer(src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, 
     b_bytes: gl.constexpr = BLOCK_N * BLOCK_K * b_desc.dtype.primitive_bitwidth // 8
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    if CLAIM:
-        first = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
-    else:
-        first = gl.program_id(0)
-    t, e, start, end, tile0, it = _first_cursor(first, ends_ptr, E, num_pid_n, BLOCK_M)
+    t, e, start, end, tile0, it = _producer_first_tile(claim_ptr, ends_ptr, E, num_pid_n, BLOCK_M, CLAIM)
     while e < E:
         off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
         b_base = e * N
@@ -262,11 +274,8 @@ def _gathered_producer(src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, 
             async_copy.commit_group()
             _gathered_arrive(ready, it, LAG, STAGES)
             it += 1
-        if CLAIM:
-            t = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
-        else:
-            t += gl.num_programs(0)
-        e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, e, start, end, tile0, BLOCK_M)
+        t, e, start, end, tile0 = _producer_next_tile(t, claim_ptr, ends_ptr, E, num_pid_n, e, start, end, tile0,
+                                                      BLOCK_M, CLAIM)
     _gathered_arrive(ready, it - 1, 0, STAGES)  # the last stage's rows
     if CLAIM:
         _publish(ids, empty, it, -1, STAGES, WARPS)

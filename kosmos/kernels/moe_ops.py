@@ -539,7 +539,7 @@ GATHER_ENV = "KOSMOS_GROUPED_GATHER"
 
 def grouped_rows_mm_swiglu_gathered(src: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
                                     act_dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """grouped_rows_mm_swiglu of the rows src[rows] (zero rows where rows >= src.shape[0]: the pad rows), gathered
+    """grouped_rows_mm_swiglu of the rows src[rows] (zero rows where rows is not a row of src: the pad rows), gathered
     inside the launch by the grouped GEMM's producer (gemm_ws_host.launch_grouped_mm_swiglu's rows), so the gathered
     copy is never written; the same bits. Opt-in: KOSMOS_GROUPED_GATHER=1 (default 0: built and checked on the CPU
     in the forty-fourth session, not yet run or timed on a GPU). None where it is off, and where

@@ -44,8 +44,10 @@ tile in shared memory with moe_rows.swiglu_rows' roundings. Needs I a multiple o
 GATHER (SWIGLU builds; the op's KOSMOS_GROUPED_GATHER=1): the up projection reads its rows straight from the hidden
 states by the sorted pairs' token index, copied by a four-warp producer with cp.async (zero rows for the pad rows),
 so the gathered [S, H] copy that moe_rows.gather_rows writes and this kernel reads back is never made (the row
-gather: 0.348 ms of Qwen3-235B's T = 16384 forward, 0.608 of DeepSeek-V3's, fortieth session). Built and checked
-for sm_90 on the CPU in the forty-fourth session; not yet run on a GPU, hence opt-in.
+gather: 0.348 ms of Qwen3-235B's T = 16384 forward, 0.608 of DeepSeek-V3's, fortieth session). The same bits on the
+H200, but slower (forty-fourth session, T = 16384, up GEMM alone): 5.956 ms against 5.757 for the gather kernel then
+this kernel on the copy (Qwen3-235B), 14.670 against 13.689 (DeepSeek-V3); the cp.async rows cost the GEMM more than
+the gather. So it is opt-in.
 """
 from __future__ import annotations
 

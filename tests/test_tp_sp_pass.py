@@ -1,8 +1,6 @@
 """TP+SP post-grad pass: snapshots of rewritten fwd/bwd graphs on a fake process group, and negative cases."""
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn as nn
 from expecttest import TestCase
@@ -152,9 +150,9 @@ t0 = torch.ops.kosmos.ag_gemm.default(t1, [t2, t3], [None, None], 1, 4, '0', Tru
 t4 = torch.ops.kosmos.gemm_rs.default([t5], [t6], None, 1, 'sum', 4, '0', None)""")
         self.assertExpectedInline(skeleton(bwd.code, kosmos_only=True), """t0 = torch.ops.kosmos.ag_gemm.default(tangents_1, [t1], [None], 1, 4, '0', True)""")
         reasons = [r.reason for r in kosmos.report().left_alone if r.kind == "gemm_rs" and r.graph == "backward"]
-        # (the mul's node name: mul_9 on torch 2.13 / 2.14, mul_12 on 2.12)
-        self.assertTrue(any(re.fullmatch(r"the unreduced matmul output is also used by mul_\d+", r) for r in reasons),
-                        reasons)
+        # (the mul's node name differs by torch version)
+        mul = "mul_12" if (2, 12) <= torch.__version__ < (2, 13) else "mul_9"
+        self.assertIn(f"the unreduced matmul output is also used by {mul}", reasons)
 
     def test_autocast_moves_cast_before_gather(self):
         fwd, bwd = self.fused_case("autocast", 1, 1, 1, 1)

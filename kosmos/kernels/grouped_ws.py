@@ -142,6 +142,13 @@ def _publish(ids, empty, it, t, STAGES: gl.constexpr, WARPS: gl.constexpr):
 
 
 @gluon.jit
+def _load_swiglu_b_block(b_desc, b_bufs, ready, s, b_base, off_g, I, ki, BLOCK_K: gl.constexpr, HALF: gl.constexpr):
+    """K block ki of gate rows [off_g, off_g + HALF) of the group's weight (from row b_base of b_desc) into the first
+    half of B stage s, and of the same up rows (I further on) into its second, on its ready barrier."""
+    _tma_load(b_desc, [b_base + off_g, ki * BLOCK_K], ready.index(s), b_bufs.index(s).slice(0, HALF))
+    _tma_load(b_desc, [b_base + I + off_g, ki * BLOCK_K], ready.index(s), b_bufs.index(s).slice(HALF, HALF))
+
+@gluon.jit
 def _load_swiglu_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_g, b_base, I, k_tiles, it,
                          NUM_CONSUMERS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
@@ -160,8 +167,7 @@ def _load_swiglu_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, of
         else:
             for c in gl.static_range(NUM_CONSUMERS):
                 _tma_load(a_desc, [off_m + c * ROWS, ki * BLOCK_K], ready.index(s), a_bufs[c].index(s))
-        _tma_load(b_desc, [b_base + off_g, ki * BLOCK_K], ready.index(s), b_bufs.index(s).slice(0, HALF))
-        _tma_load(b_desc, [b_base + I + off_g, ki * BLOCK_K], ready.index(s), b_bufs.index(s).slice(HALF, HALF))
+        _load_swiglu_b_block(b_desc, b_bufs, ready, s, b_base, off_g, I, ki, BLOCK_K, HALF)
         it += 1
     return it
 
@@ -264,10 +270,7 @@ def _gathered_producer(src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, 
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), b_bytes)
-            # gate block j and up block j (I further on) in the stage's halves, as _load_swiglu_k_range
-            _tma_load(b_desc, [b_base + off_g, ki * BLOCK_K], ready.index(s), b_bufs.index(s).slice(0, HALF))
-            _tma_load(b_desc, [b_base + N // BLOCK_N * HALF + off_g, ki * BLOCK_K], ready.index(s),
-                      b_bufs.index(s).slice(HALF, HALF))
+            _load_swiglu_b_block(b_desc, b_bufs, ready, s, b_base, off_g, N // BLOCK_N * HALF, ki, BLOCK_K, HALF)
             if NUM_CONSUMERS == 1:
                 _gather_block(src_ptr, off0, has0, a_bufs.index(s), ki, BLOCK_K, layout)
             else:

@@ -48,7 +48,8 @@ def bench_graph(fn, calls: int = 20, replays: int = 7) -> float:
     return (times[True] - times[False]) / calls
 
 
-def bench_calls(fn, warmup_ms: float, rep_ms: float, min_reps: int = 10, synced: bool = False) -> float:
+def bench_calls(fn, warmup_ms: float, rep_ms: float, min_reps: int = 10, synced: bool = False,
+                samples: Optional[list] = None) -> float:
     """Median ms of fn() over max(min_reps, rep_ms worth) calls after warmup_ms worth, L2 flushed before each (CUDA
     events around each call). triton's do_bench sizes its repeats by rep alone: a 90 ms training step with rep=40
     is timed ONCE (the MoE benchmarks' large-layer fwd+bwd figures up to the eighth session were such single
@@ -59,7 +60,8 @@ def bench_calls(fn, warmup_ms: float, rep_ms: float, min_reps: int = 10, synced:
     (at its loaded clock). synced=True waits for each call before the next (the ninth to thirteenth sessions' timing):
     each call then also pays the host time before its first kernel starts and the clock's ramp from an idle device
     (measured on the H200, benchmarks/moe_host_probe.py, RESULTS.md fourteenth session: 1.0-1.6 ms on a 9 ms MoE
-    forward, falling as a device-side sleep ahead of the call grows to 5 ms)."""
+    forward, falling as a device-side sleep ahead of the call grows to 5 ms). samples: a list that gets every timed
+    call's ms, in call order."""
     flush = _flush_buffer()
 
     def once() -> float:
@@ -87,11 +89,13 @@ def bench_calls(fn, warmup_ms: float, rep_ms: float, min_reps: int = 10, synced:
     if synced:
         for _ in range(warm):
             once()
-        times = sorted(once() for _ in range(reps))
+        times = [once() for _ in range(reps)]
     else:
         stream(warm)
-        times = sorted(stream(reps))
-    return times[len(times) // 2]
+        times = stream(reps)
+    if samples is not None:
+        samples.extend(times)
+    return sorted(times)[len(times) // 2]
 
 
 def heat(fn, seconds: float = 2.0) -> None:

@@ -34,11 +34,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import time
 
 import torch
 
 from kosmos.kernels.moe_ops import fused_env
-from measure import bench_calls, rel_err, speedup_plot
+from measure import bench_calls, heat, rel_err, speedup_plot
 
 LAYERS = {
     "qwen3_30b_a3b": dict(family="qwen3_moe", H=2048, I=768, E=128, k=8),
@@ -87,13 +88,22 @@ def build_block(layer: str, device, dtype, tiny: bool = False):
     return block.to(dtype), d
 
 
-def timed(fn, args) -> float:
+def timed(fn, args, res: dict, key: str) -> float:
     """measure.bench_calls: at least --min-reps timed calls (the fifth to eighth sessions' do_bench timed a 90 ms
-    training step once), back to back unless --synced."""
+    training step once), back to back unless --synced; after --heat seconds of fn back to back. With --samples,
+    res[f"calls_{key}"] gets the wall-clock window (time.time() at its start and end, to set beside a clock log)
+    and every timed call's ms."""
     if args.tiny:
         fn()
         return float("nan")
-    return bench_calls(fn, args.warmup, args.rep, args.min_reps, synced=args.synced)
+    if args.heat > 0:
+        heat(fn, args.heat)
+    calls = []
+    t0 = time.time()
+    ms = bench_calls(fn, args.warmup, args.rep, args.min_reps, synced=args.synced, samples=calls)
+    if args.samples:
+        res[f"calls_{key}"] = {"window": [t0, time.time()], "ms": [round(c, 4) for c in calls]}
+    return ms
 
 
 def peak_gib(step, args) -> float:
@@ -141,6 +151,8 @@ def run_cell(layer: str, T: int, args) -> dict:
     x = torch.randn(1, T, d["H"], device=device, dtype=dtype, requires_grad=True)
     g = torch.randn_like(x)
     res = {"layer": layer, "T": T, "timing": "synced" if args.synced else "stream", **d}
+    if args.heat > 0:
+        res["heat_s"] = args.heat
     if args.cudagraphs:
         res["cudagraphs"] = True
     if args.frozen:
@@ -165,14 +177,14 @@ def run_cell(layer: str, T: int, args) -> dict:
                     step_begin()
                     return f(x)
 
-                res[f"fwd_{name}"] = timed(fwd, args)
+                res[f"fwd_{name}"] = timed(fwd, args, res, f"fwd_{name}")
 
             def step(f=f):
                 step_begin()
                 out = f(x)
                 torch.autograd.grad(out, params, g, allow_unused=True)
 
-            res[f"fwdbwd_{name}"] = timed(step, args)
+            res[f"fwdbwd_{name}"] = timed(step, args, res, f"fwdbwd_{name}")
             # a replay allocates nothing (the graph pool was sized at recording): no peak to read there
             res[f"peak_gib_{name}"] = float("nan") if args.cudagraphs else peak_gib(step, args)
             if name in KOSMOS_MODES:
@@ -185,7 +197,7 @@ def run_cell(layer: str, T: int, args) -> dict:
     w1 = torch.randn(d["H"], 2 * d["I"], device=device, dtype=dtype)
     a2 = torch.randn(rows, d["I"], device=device, dtype=dtype)
     w2 = torch.randn(d["I"], d["H"], device=device, dtype=dtype)
-    res["fwd_dense"] = timed(lambda: (a @ w1, a2 @ w2), args)
+    res["fwd_dense"] = timed(lambda: (a @ w1, a2 @ w2), args, res, "fwd_dense")
     res["fwdbwd_dense"] = 3 * res["fwd_dense"]
     res["target"] = None if args.frozen else TARGETS.get((layer, T))  # the targets are for training every weight
     return res
@@ -246,6 +258,11 @@ def main(argv=None) -> int:
                         "calls back to back, one sync at the end, as triton's do_bench)")
     p.add_argument("--cudagraphs", action="store_true",
                    help="Inductor and kosmos both under Inductor's CUDA graph trees (one kosmos mode)")
+    p.add_argument("--heat", type=float, default=0.0,
+                   help="seconds of each timed callable back to back before its warm-up and timing (the GPU's "
+                        "clock settled at its loaded, power-capped level, as in a training run)")
+    p.add_argument("--samples", action="store_true",
+                   help="the JSON also gets every timed call's ms and each timing's wall-clock window")
     p.add_argument("--frozen", default="", help="weights without gradients (comma-separated): " + ", ".join(FROZEN))
     p.add_argument("--json", default="")
     p.add_argument("--plot", default="")

@@ -22,8 +22,8 @@ Layers: Qwen3-30B-A3B (H 2048, I 768, 128 experts, top-8), Qwen3-235B (H 4096, I
 DeepSeek-V3 (H 7168, I 2048, 256 experts, top-8, 1 shared expert; group-limited sigmoid router); beyond the issue's
 table, Mixtral-8x7B (H 4096, I 14336, 8 experts, top-2; fp32 routing weights on bf16). Random weights
 (nothing downloaded). Before timing, each variant's output is checked against HF eager (rel err); every time is
-a median over timed calls (`timed`: at least --min-reps, L2 flushed) after --heat seconds of the same calls. fwd+bwd = forward + backward of sum(out * g)
-w.r.t. the hidden states and every weight. Dense same-FLOPs: the routed experts' matmuls as two plain GEMMs over T*k rows
+a median over timed calls (`timed`: at least --min-reps, L2 flushed) after --heat seconds of the same calls.
+fwd+bwd = forward + backward of sum(out * g) w.r.t. the hidden states and every weight. Dense same-FLOPs: the routed experts' matmuls as two plain GEMMs over T*k rows
 ([T*k, H] x [H, 2I] and [T*k, I] x [I, H]), fwd+bwd = 3x. Gated targets (issue: 85% / 80% of the dense rate)
 are printed next to the cells they apply to, with the fraction of the same run's dense rate kosmos's default reached
 (dense ms / kosmos ms: the issue's ms targets are those rates of its own dense figure, and lent H200s differ by a

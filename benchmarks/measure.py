@@ -98,14 +98,25 @@ def bench_calls(fn, warmup_ms: float, rep_ms: float, min_reps: int = 10, synced:
     return sorted(times)[len(times) // 2]
 
 
-def heat(fn, seconds: float = 2.0) -> None:
+def heat(fn, seconds: float = 2.0, flush: bool = False) -> None:
     """Runs fn back to back for `seconds`: the GPU's clocks settle at their loaded (power-capped) level, so
-    the first timing of a run is not taken at an idle GPU's boost clock."""
+    the first timing of a run is not taken at an idle GPU's boost clock. The host waits for the chunk of calls
+    before the one it has just enqueued, so the device never idles for the host's check. flush: an L2 flush before
+    each call, as bench_calls times them (the heat then runs exactly the timed loop)."""
+    buf = _flush_buffer() if flush else None
     t_end = time.time() + seconds
+    queued = None
     while time.time() < t_end:
         for _ in range(20):
+            if buf is not None:
+                buf.zero_()
             fn()
-        torch.cuda.synchronize()
+        done = torch.cuda.Event()
+        done.record()
+        if queued is not None:
+            queued.synchronize()
+        queued = done
+    torch.cuda.synchronize()
 
 
 def profile_one(fn) -> None:

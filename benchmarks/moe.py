@@ -97,7 +97,7 @@ def timed(fn, args, res: dict, key: str) -> float:
         fn()
         return float("nan")
     if args.heat > 0:
-        heat(fn, args.heat)
+        heat(fn, args.heat, flush=True)
     calls = []
     t0 = time.time()
     ms = bench_calls(fn, args.warmup, args.rep, args.min_reps, synced=args.synced, samples=calls)

@@ -23,11 +23,12 @@ DeepSeek-V3 (H 7168, I 2048, 256 experts, top-8, 1 shared expert; group-limited 
 table, Mixtral-8x7B (H 4096, I 14336, 8 experts, top-2; fp32 routing weights on bf16). Random weights
 (nothing downloaded). Before timing, each variant's output is checked against HF eager (rel err); every time is
 a median over timed calls (`timed`: at least --min-reps, L2 flushed) after --heat seconds of the same calls.
-fwd+bwd = forward + backward of sum(out * g) w.r.t. the hidden states and every weight. Dense same-FLOPs: the routed experts' matmuls as two plain GEMMs over T*k rows
-([T*k, H] x [H, 2I] and [T*k, I] x [I, H]), fwd+bwd = 3x. Gated targets (issue: 85% / 80% of the dense rate)
-are printed next to the cells they apply to, with the fraction of the same run's dense rate kosmos's default reached
-(dense ms / kosmos ms: the issue's ms targets are those rates of its own dense figure, and lent H200s differ by a
-few percent; DeepSeek-V3's dense GEMMs cover the routed experts only, its shared expert's ~2 ms not).
+fwd+bwd = forward + backward of sum(out * g) w.r.t. the hidden states and every weight. Dense same-FLOPs: the
+routed experts' matmuls as two plain GEMMs over T*k rows ([T*k, H] x [H, 2I] and [T*k, I] x [I, H]), fwd+bwd = 3x.
+Gated targets (issue: 85% / 80% of the dense rate) are printed next to the cells they apply to, with the fraction of
+the same run's dense rate kosmos's default reached (dense ms / kosmos ms: the issue's ms targets are those rates of
+its own dense figure, and lent H200s differ by a few percent; DeepSeek-V3's dense GEMMs cover the routed experts
+only, its shared expert's ~2 ms not).
 """
 from __future__ import annotations
 
@@ -261,7 +262,7 @@ def main(argv=None) -> int:
     p.add_argument("--heat", type=float, default=2.0,
                    help="seconds of each timed callable back to back before its warm-up and timing (default 2: the "
                         "GPU's clock settled at its loaded, power-capped level, as in a training run; 0: the "
-                        "forty-fourth and earlier sessions' timing, whose first ~40 ms ran at the clock of an idle GPU)")
+                        "forty-fourth and earlier sessions' timing, whose first ~40 ms ran at an idle GPU's clock)")
     p.add_argument("--samples", action="store_true",
                    help="the JSON also gets every timed call's ms and each timing's wall-clock window")
     p.add_argument("--frozen", default="", help="weights without gradients (comma-separated): " + ", ".join(FROZEN))

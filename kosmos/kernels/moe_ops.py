@@ -541,10 +541,9 @@ def grouped_rows_mm_swiglu_gathered(src: torch.Tensor, rows: torch.Tensor, b: to
                                     act_dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """grouped_rows_mm_swiglu of the rows src[rows] (zero rows where rows is not a row of src: the pad rows), gathered
     inside the launch by the grouped GEMM's producer (gemm_ws_host.launch_grouped_mm_swiglu's rows), so the gathered
-    copy is never written; the same bits. Opt-in: KOSMOS_GROUPED_GATHER=1 (default 0: slower on the H200,
-    Qwen3-235B's T = 16384 forward 8.49-8.63 ms against 7.76-8.44 without it; grouped_ws's docstring). None where
-    it is off, and where grouped_rows_mm_swiglu would not run its kernel or the gather cannot (recorded): the caller
-    gathers the rows and asks that."""
+    copy is never written; the same bits. Opt-in: KOSMOS_GROUPED_GATHER=1 (default 0: slower on the H200, figures
+    in grouped_ws's docstring). None where it is off, and where grouped_rows_mm_swiglu would not run its kernel or
+    the gather cannot (recorded): the caller gathers the rows and asks that."""
     from kosmos.kernels import gemm_ws_host
 
     if env_choice(GATHER_ENV, ("0", "1"), "0") == "0":

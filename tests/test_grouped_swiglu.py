@@ -13,7 +13,6 @@ import re
 
 import pytest
 import torch
-import triton
 
 from _sm90 import compile_sm90, compile_sm90_gluon, ptxas_path, ptxas_report
 

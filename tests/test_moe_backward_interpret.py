@@ -16,7 +16,7 @@ import torch
 
 CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled_glog", "fp16_router_fp32_no_renorm_glog", "empty_experts",
          "all_on_one_expert", "many_blocks_per_expert", "mixed_hidden_fp32_weights_fp16", "top2_one_token",
-         "counters_zeroed_and_error_word", "deepseek_v3_router_fp32", "sigmoid_fp16_bias_renorm",
+         "counters_zeroed_and_error_word", "spin_bound_records_the_waiting_task", "deepseek_v3_router_fp32", "sigmoid_fp16_bias_renorm",
          "softmax_grouped_corrected_fp16"]
 
 NAMES = ["d_hidden", "d_router_weight", "d_gate_up_proj", "d_down_proj", "d_router_bias"]
@@ -159,6 +159,39 @@ def case_counters_zeroed_and_error_word(torch):
     assert torch.isfinite(out).all()
     return {"msgs": msgs}
 
+
+
+def case_spin_bound_records_the_waiting_task(torch):
+    # as the forward's case: the claim counter starts at 1, ROUTE task 0 never runs, the SCAN task (index n_tiles)
+    # spins to the bound; the kernel's error words and the host mirror name it, and the next call raises
+    from kosmos.kernels import moe, runtime
+    from kosmos.kernels import moe_backward as mb
+    from kosmos.kernels.runtime import KernelTimeout, WorkspaceBroken
+
+    h, rw, gu, d, go = _inputs(torch, 20, 32, 16, 4, torch.float16, 9)
+    moe._controls.clear()
+    mb.moe_backward(go, None, h, rw, None, None, gu, d, 2)  # sizes the control tensor
+    ctl = mb.control(h.device)
+    scan_task = -(-20 // mb.CONFIGS["interpret"].bt)
+    ctl.ctrl[mb.C_CLAIM.value] = 1
+    runtime.set_spin_timeout(0.0002)
+    try:
+        mb.moe_backward(go, None, h, rw, None, None, gu, d, 2, programs=1)
+    finally:
+        runtime.set_spin_timeout(None)
+    err = mb.C_ERR.value
+    assert ctl.ctrl[err:err + 3].tolist() == [1, mb.OP_ID.value, scan_task], ctl.ctrl.tolist()
+    assert ctl.err_host.tolist() == [1, mb.OP_ID.value, 0, scan_task], ctl.err_host.tolist()
+    msgs = []
+    for exc in (KernelTimeout, WorkspaceBroken):
+        try:
+            mb.moe_backward(go, None, h, rw, None, None, gu, d, 2)
+            raise AssertionError(f"no {exc.__name__}")
+        except exc as e:
+            msgs.append(str(e))
+    assert "moe_layer_backward" in msgs[0] and f"task {scan_task}" in msgs[0], msgs
+    moe._controls.clear()
+    return {"msgs": msgs}
 
 def case_deepseek_v3_router_fp32(torch):
     # sigmoid, correction bias, 4 groups of 4 (top-2 groups), top-3, renorm + 1e-20, scaling 2.5, fp32 router

@@ -14,7 +14,6 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 from expecttest import TestCase
 from torch.distributed.device_mesh import init_device_mesh
 

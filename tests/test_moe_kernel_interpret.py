@@ -21,7 +21,7 @@ import torch
 
 CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renorm", "empty_experts",
          "all_on_one_expert", "many_blocks_per_expert", "mixed_hidden_fp32_weights_fp16", "top2_one_token",
-         "fp16_fp32_routing_weights", "counters_zeroed_and_error_word", "deepseek_v3_router_fp32", "sigmoid_fp16_plain",
+         "fp16_fp32_routing_weights", "counters_zeroed_and_error_word", "spin_bound_records_the_waiting_task", "deepseek_v3_router_fp32", "sigmoid_fp16_plain",
          "softmax_grouped_corrected_fp16", "saved_up_fp16_ragged_two_i_chunks", "saved_up_empty_experts",
          "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token", "trace_rows",
          "exception_midway_leaves_counters_zeroed", "fold_groups_same_bits", "task_kind_matches_layout",
@@ -243,6 +243,40 @@ def case_counters_zeroed_and_error_word(torch):
     assert torch.isfinite(out).all()
     return {"msg": msg}
 
+
+
+def case_spin_bound_records_the_waiting_task(torch):
+    # a real timeout, not a faked mirror: the claim counter starts at 1, so ROUTE task 0 never runs and the SCAN task
+    # (index n_tiles) spins on the routed counter until the bound. The kernel fills its error words (code, op id,
+    # task) and the host mirror, still zeroes the counters, and the next call raises KernelTimeout naming the task
+    from kosmos.kernels import moe, runtime
+    from kosmos.kernels.runtime import KernelTimeout, WorkspaceBroken
+
+    h, rw, gu, d = _inputs(torch, 20, 32, 16, 4, torch.float16, 9)
+    moe._controls.clear()
+    moe.moe_forward(h, rw, None, None, gu, d, 2)  # sizes the control tensor
+    ctl = moe.control(h.device)
+    scan_task = moe.TaskLayout.of(20, 32, 16, 4, 2, moe.CONFIGS["interpret"]).n_tiles
+    ctl.ctrl[moe.C_CLAIM.value] = 1
+    runtime.set_spin_timeout(0.0002)  # the interpreter counts one spin as 1 us
+    try:
+        moe.moe_forward(h, rw, None, None, gu, d, 2, programs=1)
+    finally:
+        runtime.set_spin_timeout(None)
+    err = moe.C_ERR.value
+    assert ctl.ctrl[err:err + 3].tolist() == [1, moe.OP_ID.value, scan_task], ctl.ctrl.tolist()
+    assert ctl.err_host.tolist() == [1, moe.OP_ID.value, 0, scan_task], ctl.err_host.tolist()
+    assert int(ctl.ctrl[:err].abs().sum()) == 0, ctl.ctrl.tolist()
+    msgs = []
+    for exc in (KernelTimeout, WorkspaceBroken):
+        try:
+            moe.moe_forward(h, rw, None, None, gu, d, 2)
+            raise AssertionError(f"no {exc.__name__}")
+        except exc as e:
+            msgs.append(str(e))
+    assert "moe_layer" in msgs[0] and f"task {scan_task}" in msgs[0], msgs
+    moe._controls.clear()
+    return {"msgs": msgs}
 
 def case_deepseek_v3_router_fp32(torch):
     # sigmoid, correction bias, 4 groups of 4 (top-2 groups), top-3, renorm + 1e-20, scaling 2.5, fp32 router

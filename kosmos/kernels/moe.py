@@ -109,7 +109,7 @@ from kosmos.kernels import moe_ops, runtime
 from kosmos.kernels.gemm import gemm_tile, input_precision
 from kosmos.kernels.moe_route import (pair_rows, pick, route_tile, router_gemm_tile, router_gemm_tile_tma,
                                       scan_counts, select_stored_tile)
-from kosmos.kernels.signals import ERR_TIMEOUT, now_ns, proxy_fence, wait_flag
+from kosmos.kernels.signals import ERR_TIMEOUT, now_ns, proxy_fence, record_local_error, wait_flag
 
 OP_ID = tl.constexpr(3)  # runtime.OP_IDS gets "moe_layer": 3
 
@@ -190,18 +190,6 @@ def _phase_counter(kind, grp):
 def _phase_tasks(kind, n_tiles, n_up):
     """How many tasks of `kind` (ROUTE .. UP) the stream has."""
     return tl.where((kind == 0) | (kind == 2), n_tiles, tl.where(kind == 1, 1, n_up))
-
-
-@triton.jit
-def _record_error(ctrl, err_host, task):
-    old = tl.atomic_cas(ctrl + C_ERR, 0, ERR_TIMEOUT, sem="acq_rel", scope="gpu")
-    if old == 0:
-        tl.store(ctrl + C_ERR + 1, OP_ID)
-        tl.store(ctrl + C_ERR + 2, task)
-        tl.store(err_host + 1, OP_ID)
-        tl.store(err_host + 3, task)
-        tl.debug_barrier()
-        tl.store(err_host, ERR_TIMEOUT)
 
 
 @triton.jit
@@ -517,7 +505,7 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
             tl.store(trace_row + 2, now_ns(USE_ASM))
             tl.store(trace_row + 3, tl.program_id(0).to(tl.int64))
         if status == ERR_TIMEOUT:
-            _record_error(ctrl, err_host, t)
+            record_local_error(err, err_host, OP_ID, t)
         if status == 0:
             if EARLY_CLAIM:
                 t = t_next

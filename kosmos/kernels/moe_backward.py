@@ -64,7 +64,7 @@ from kosmos.kernels import runtime
 from kosmos.kernels.moe import _Control, _block_rows, _signal, max_blocks, routing_constexprs
 from kosmos.kernels.moe import control as _moe_control
 from kosmos.kernels.moe_route import _round, pair_rows, pick, route_tile, scan_counts
-from kosmos.kernels.signals import ERR_TIMEOUT, wait_flag
+from kosmos.kernels.signals import ERR_TIMEOUT, record_local_error, wait_flag
 
 OP_ID = tl.constexpr(4)
 OP_NAME = "moe_layer_backward"
@@ -83,18 +83,6 @@ CTRL_HEAD = 16
 
 # ----------------------------------------------------------------------------------------------------------
 # jit pieces
-
-
-@triton.jit
-def _record_error(ctrl, err_host, task):
-    old = tl.atomic_cas(ctrl + C_ERR, 0, ERR_TIMEOUT, sem="acq_rel", scope="gpu")
-    if old == 0:
-        tl.store(ctrl + C_ERR + 1, OP_ID)
-        tl.store(ctrl + C_ERR + 2, task)
-        tl.store(err_host + 1, OP_ID)
-        tl.store(err_host + 3, task)
-        tl.debug_barrier()
-        tl.store(err_host, ERR_TIMEOUT)
 
 
 @triton.jit
@@ -517,7 +505,7 @@ def moe_backward_kernel(ctrl, err_host, timeout_ns,
                 _wrouter_tile(t - wr0, dl_ws, hidden, h_ld, d_rw, d_rb, T, H, E, n_tiles, HAS_RB, BT, BLOCK_E, BHR,
                               ROUTER_PRECISION)
         if status == ERR_TIMEOUT:
-            _record_error(ctrl, err_host, t)
+            record_local_error(err, err_host, OP_ID, t)
         if status == 0:
             t = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
     # count out; the last program zeroes every counter for the next launch (graph replays included)

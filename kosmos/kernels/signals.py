@@ -170,6 +170,19 @@ def record_error(ctrl, err_host, ws_row, rank_base, world, op_id, rank, task):
 
 
 @triton.jit
+def record_local_error(err, err_host, op_id, task):
+    """The single-GPU kernels' record_error: the first timeout of the launch fills its error words (code, op id,
+    task at err) and the host mirror (code, op id, -, task; code last). No peers to abort."""
+    if tl.atomic_cas(err, 0, ERR_TIMEOUT, sem="acq_rel", scope="gpu") == 0:
+        tl.store(err + 1, op_id)
+        tl.store(err + 2, task)
+        tl.store(err_host + 1, op_id)
+        tl.store(err_host + 3, task)
+        tl.debug_barrier()
+        tl.store(err_host, ERR_TIMEOUT)
+
+
+@triton.jit
 def record_status(status, ctrl, err_host, ws_row, rank_base, world, op_id, rank, task):
     """After a wait that failed: a timeout is recorded (record_error). An abort (a peer timed out first) goes to
     this process's host mirror too (if no rank of the process wrote it yet), so the host raises for this rank as

@@ -31,14 +31,14 @@ def gluon_missing() -> Optional[str]:
     return None
 
 
-def _descriptor(t: torch.Tensor, shape, lead: int, block):
-    """A host TMA descriptor over t as [shape] with row stride lead, block `block`, the block's default NVMMA
-    layout (what the Gluon kernels allocate their shared memory with)."""
+def _descriptor(t: torch.Tensor, shape, lead: int, block, layout_block=None):
+    """A host TMA descriptor over t as [shape] with row stride lead, block `block`, the default NVMMA layout of
+    layout_block (default the block: what the Gluon kernels allocate their shared memory with)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     el = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    return TensorDescriptor(t, shape, [lead, 1], block, gl.NVMMASharedLayout.get_default_for(block, el))
+    return TensorDescriptor(t, shape, [lead, 1], block, gl.NVMMASharedLayout.get_default_for(layout_block or block, el))
 
 
 def cannot_run_here(a: torch.Tensor) -> Optional[str]:
@@ -221,20 +221,22 @@ SWIGLU_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, *, m_fastest: bool = False,
                              claim: bool = False, config: str = "128x256", act_dtype: Optional[torch.dtype] = None,
-                             programs: Optional[int] = None, rows: Optional[torch.Tensor] = None):
+                             programs: Optional[int] = None, rows: Optional[torch.Tensor] = None,
+                             gather: str = "cp.async"):
     """(h [S, 2I], act [S, I]) in one launch, for operands swiglu_unsupported has already accepted: h is
     launch_grouped_mm(a, b, ends)'s [gate | up] (the same bits) and act = silu(gate) * up in act_dtype (default
     a's), rounded as moe_rows.swiglu_rows(h, act_dtype) rounds it; rows past ends[-1] are left unwritten in both.
     m_fastest / claim / config / programs: as launch_grouped_mm's. rows (int64 [S], contiguous): A is gathered in
     the launch, its row r being a[rows[r]], a zero row where rows[r] is not a row of a (as in
     moe_rows.gather_rows; the MoE pad rows carry a.shape[0]): the bits of the call on that gathered copy, which is
-    never written (gather_unsupported says what it needs). Raises ValueError for ends, act_dtype, rows, or a B
-    whose shape or layout the epilogue cannot take."""
+    never written (gather_unsupported says what it needs); gather: how the producers copy them, GATHER_CONSTEXPRS'
+    "cp.async" or "tma" (a split config only). Raises ValueError for ends, act_dtype, rows, gather, or a B whose shape
+    or layout the epilogue cannot take."""
     S, K = a.shape if rows is None else (rows.shape[0], a.shape[1])
     E, _, N = b.shape
     BM, BN, BK = GROUPED_BLOCK
     _check_ends(ends, E, a, "grouped_mm_swiglu")
-    reason = None if rows is None else gather_unsupported(a, rows)
+    reason = None if rows is None else gather_unsupported(a, rows, gather, config)
     if reason is not None:
         raise ValueError(f"kosmos grouped_mm_swiglu: {reason}")
     if N % BN:
@@ -251,12 +253,16 @@ def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
         return h, act
     cfg = {**GROUPED_CONFIGS[config], "SWIGLU": True}
     if rows is not None:
-        cfg.update(GATHER=True, PRODUCER_REGS=GATHER_PRODUCER_REGS)
+        cfg.update(GATHER_CONSTEXPRS[gather])
     tile_rows = BM // cfg["NUM_CONSUMERS"]  # a consumer's rows of a tile
-    # (gathered, a_desc only gives the kernel A's dtype and shared layout)
-    a_desc = _descriptor(a, [a.shape[0], K], a.stride(0), [tile_rows, BK])
+    # (gathered by cp.async, a_desc only gives the kernel A's dtype and shared layout; by TMA it copies one row of
+    # src, in the swizzle of a consumer's stage)
+    a_block = [1, BK] if rows is not None and gather == "tma" else [tile_rows, BK]
+    a_desc = _descriptor(a, [a.shape[0], K], a.stride(0), a_block, layout_block=[tile_rows, BK])
     b_desc = _descriptor(b, [E * N, K], K, [BN // 2, BK])  # a gate or an up block: half a stage
     c_desc = _descriptor(h, [S, N], N, [tile_rows, BN // 2])
+    if rows is not None and gather == "tma":  # int32 coordinates; indices out of int32 range must not wrap into it
+        rows = rows.clamp(-1, a.shape[0]).to(torch.int32)
     _launch_grouped(a_desc, b_desc, c_desc, h, N, ends, E, N, K, act, True, m_fastest, claim, cfg, programs,
                     a.device, None if rows is None else (a, rows))
     return h, act
@@ -265,12 +271,24 @@ def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
 # The gathering producer's registers: its four warps' cp.async addressing spills at 40 (sm_90 build on the CPU,
 # forty-fourth session), not at 56; the first consumer still gets 216 then (the kernel is built for 168).
 GATHER_PRODUCER_REGS = 56
+# launch_grouped_mm_swiglu's gather= ways: the constexprs each adds. "tma": two one-warp producers copy a stage's rows
+# one TMA box [1, BLOCK_K] each (grouped_ws._tma_rows_lead / _tma_rows_follower; the split configs only).
+GATHER_CONSTEXPRS = {"cp.async": dict(GATHER=True, PRODUCER_REGS=GATHER_PRODUCER_REGS),
+                     "tma": dict(GATHER=2, PRODUCER_REGS=40)}
 
 
-def gather_unsupported(src: torch.Tensor, rows: torch.Tensor) -> Optional[str]:
-    """Why launch_grouped_mm_swiglu cannot gather A's rows from src by rows, or None: rows a contiguous int64 [S] on
-    src's device; src row-major, its rows a multiple of the K block long (the gathered copies have no column mask)
-    and 16-byte aligned (each thread copies 16 bytes)."""
+def gather_unsupported(src: torch.Tensor, rows: torch.Tensor, gather: str = "cp.async",
+                       config: str = "128x256s") -> Optional[str]:
+    """Why launch_grouped_mm_swiglu cannot gather A's rows from src by rows the `gather` way in `config`, or None:
+    rows a contiguous int64 [S] on src's device; src row-major, its rows a multiple of the K block long (the
+    gathered copies have no column mask) and 16-byte aligned (each thread copies 16 bytes; TMA's rule too, which
+    also wants src's start 16-byte aligned); "tma" in a split config only."""
+    if gather not in GATHER_CONSTEXPRS:
+        return f"gather {gather!r} (one of {sorted(GATHER_CONSTEXPRS)})"
+    if gather == "tma" and GROUPED_CONFIGS[config]["NUM_CONSUMERS"] != 2:
+        return f"TMA row copies need the split consumers (config 128x256s), not {config}"
+    if gather == "tma" and src.data_ptr() % 16:
+        return "TMA row copies need src 16-byte aligned"
     if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous() or rows.device != src.device:
         return (f"gather rows must be a contiguous int64 [S] on {src.device}, not {rows.dtype} {tuple(rows.shape)} "
                 f"on {rows.device}")

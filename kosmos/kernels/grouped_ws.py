@@ -41,112 +41,23 @@ halves of each B stage, so one tile holds both factors of act[:, block j]. The e
 places in h = [gate | up] (the backward reads them) and act = silu(gate) * up [S, I], computed from the rounded h
 tile in shared memory with moe_rows.swiglu_rows' roundings. Needs I a multiple of BLOCK_N / 2.
 
-GATHER (SWIGLU builds; the op's KOSMOS_GROUPED_GATHER=1): the up projection reads its rows straight from the hidden
-states by the sorted pairs' token index, copied by a four-warp producer with cp.async (zero rows for the pad rows),
-so the gathered [S, H] copy that moe_rows.gather_rows writes and this kernel reads back is never made (the row
-gather: 0.348 ms of Qwen3-235B's T = 16384 forward, 0.608 of DeepSeek-V3's, fortieth session). The same bits on the
-H200, but slower (forty-fourth session, T = 16384, up GEMM alone): 5.956 ms against 5.757 for the gather kernel then
-this kernel on the copy (Qwen3-235B), 14.670 against 13.689 (DeepSeek-V3); the cp.async rows cost the GEMM more than
-the gather. So it is opt-in.
+GATHER (SWIGLU builds; the op's KOSMOS_GROUPED_GATHER): the up projection reads its rows straight from the hidden
+states by the sorted pairs' token index, so the gathered copy is never made; its producers are in
+grouped_ws_gather.py (cp.async, or one TMA copy a row), with their figures. The tile schedule that every producer
+and consumer walks (group cursor, tile order, claims) is grouped_ws_tiles.py.
 """
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from kosmos.kernels.gemm_ws import (_cta_barrier, _load_k_range, _load_split_k_range, _mma_k_range, _store_tile,
-                                    _tma_load, _tma_store)
+from kosmos.kernels.gemm_ws import (_load_k_range, _load_split_k_range, _mma_k_range, _store_tile, _tma_load,
+                                    _tma_store)
+from kosmos.kernels.grouped_ws_gather import _gathered_producer, _tma_rows_follower, _tma_rows_lead
+from kosmos.kernels.grouped_ws_tiles import (_first_cursor, _load_swiglu_b_block, _next_group, _producer_first_tile,
+                                             _producer_next_tile, _publish, _start_cursor, _tile_offsets)
 
-# cp.async: async_copy_global_to_shared on triton 3.6 and 3.7, async_load from 3.8 (3.9 removed the old name); the same
-# arguments
-_cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-
-
-@gluon.jit
-def _next_group(ends_ptr, E, mt, e, start, end, tile0, BLOCK_M: gl.constexpr):
-    """Moves the cursor (group e, its rows [start, end), its first m-tile tile0) forward to the group holding m-tile
-    mt; e == E once mt is past the last group's tiles."""
-    while (e < E) & (tile0 + gl.cdiv(end - start, BLOCK_M) <= mt):
-        tile0 += gl.cdiv(end - start, BLOCK_M)
-        e += 1
-        start = end
-        end = gl.load(ends_ptr + gl.minimum(e, E - 1))
-    return e, start, end, tile0
-
-
-@gluon.jit
-def _start_cursor(ends_ptr, zero):
-    """The cursor at group 0, its first m-tile 0 (zero: a tensor 0, as loop-carried values must start)."""
-    return zero, zero, gl.load(ends_ptr), zero
-
-
-@gluon.jit
-def _first_cursor(t, ends_ptr, E, num_pid_n, BLOCK_M: gl.constexpr):
-    """The program's first tile t (its id, or its first claim) and the cursor at its group, with the stage counter
-    at 0: where the producer and the consumer both start, so they walk the same tiles."""
-    zero = t * 0
-    e, start, end, tile0 = _start_cursor(ends_ptr, zero)
-    e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, e, start, end, tile0, BLOCK_M)
-    return t, e, start, end, tile0, zero
-
-
-@gluon.jit
-def _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  M_FASTEST: gl.constexpr):
-    """(row, column) of tile t in its group (whose tiles start at m-tile tile0 of the list): its m-tiles one after
-    another for each column block (M_FASTEST: the programs at work share B's column blocks) or its column blocks one
-    after another for each m-tile (they share A's rows)."""
-    if M_FASTEST:
-        m_tiles = gl.cdiv(end - start, BLOCK_M)
-        local = t - tile0 * num_pid_n
-        pid_m = local % m_tiles
-        pid_n = local // m_tiles
-    else:
-        pid_m = t // num_pid_n - tile0
-        pid_n = t % num_pid_n
-    return start + pid_m * BLOCK_M, pid_n * BLOCK_N
-
-
-@gluon.jit
-def _producer_first_tile(claim_ptr, ends_ptr, E, num_pid_n, BLOCK_M: gl.constexpr, CLAIM: gl.constexpr):
-    """A producer's first tile (its program id, or CLAIM's first claim) with the cursor at its group and the stage
-    counter at 0 (_first_cursor's tuple)."""
-    if CLAIM:
-        first = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
-    else:
-        first = gl.program_id(0)
-    return _first_cursor(first, ends_ptr, E, num_pid_n, BLOCK_M)
-
-
-@gluon.jit
-def _producer_next_tile(t, claim_ptr, ends_ptr, E, num_pid_n, e, start, end, tile0, BLOCK_M: gl.constexpr,
-                        CLAIM: gl.constexpr):
-    """A producer's tile after t (the next claim, or t + the program count) and the cursor moved to its group."""
-    if CLAIM:
-        t = gl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
-    else:
-        t += gl.num_programs(0)
-    e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, e, start, end, tile0, BLOCK_M)
-    return t, e, start, end, tile0
-
-
-@gluon.jit
-def _publish(ids, empty, it, t, STAGES: gl.constexpr, WARPS: gl.constexpr):
-    """Writes tile t into the id slot of stage `it`, once the stage is released (its last reader has read the slot
-    too): the consumer reads it after the stage's ready barrier, whose arrival releases this store. WARPS: the
-    producer's."""
-    s = it % STAGES
-    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-    ids.index(s).store(gl.full([1], t, gl.int32, layout=gl.BlockedLayout([1], [32], [WARPS], [0])))
-
-
-@gluon.jit
-def _load_swiglu_b_block(b_desc, b_bufs, ready, s, b_base, off_g, I, ki, BLOCK_K: gl.constexpr, HALF: gl.constexpr):
-    """K block ki of gate rows [off_g, off_g + HALF) of the group's weight (from row b_base of b_desc) into the first
-    half of B stage s, and of the same up rows (I further on) into its second, on its ready barrier."""
-    _tma_load(b_desc, [b_base + off_g, ki * BLOCK_K], ready.index(s), b_bufs.index(s).slice(0, HALF))
-    _tma_load(b_desc, [b_base + I + off_g, ki * BLOCK_K], ready.index(s), b_bufs.index(s).slice(HALF, HALF))
 
 @gluon.jit
 def _load_swiglu_k_range(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_g, b_base, I, k_tiles, it,
@@ -203,88 +114,6 @@ def _grouped_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_p
     if CLAIM:
         _publish(ids, empty, it, -1, STAGES, 1)
         mbarrier.arrive(ready.index(it % STAGES))
-
-
-@gluon.jit
-def _gather_rows(idx_ptr, off_m, S, T_src, ld8, ROWS: gl.constexpr, layout: gl.constexpr):
-    """(element offset of each row's source row in src, whether it has one) for rows [off_m, off_m + ROWS) of A:
-    row r is src[idx[r]]; rows past S and indices that are not a row of src (the pad rows' sentinel T_src) have
-    none (zero rows, as moe_rows.gather_rows has them). ld8: src's row stride in 16-byte units (written as a product
-    of 8, so the copies' alignment is known)."""
-    r = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    src_row = gl.load(idx_ptr + r, mask=r < S, other=T_src)
-    return src_row.to(gl.int64) * ld8 * 8, (r < S) & (src_row >= 0) & (src_row < T_src)
-
-
-@gluon.jit
-def _gather_block(src_ptr, row_off, has_row, dst, ki, BLOCK_K: gl.constexpr, layout: gl.constexpr):
-    """Starts the copies of K block ki of the gathered rows into dst (cp.async, 16 bytes a thread; rows without a
-    source are zero-filled). K is a multiple of BLOCK_K (the launcher's check): no column mask."""
-    cols = ki * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-    mask = has_row[:, None] & (cols >= 0)[None, :]
-    _cp_async_load(dst, src_ptr + row_off[:, None] + cols[None, :], mask=mask)
-
-
-@gluon.jit
-def _gathered_arrive(ready, it, pending: gl.constexpr, STAGES: gl.constexpr):
-    """Once at most `pending` groups of this thread's copies are still in flight, makes the landed rows visible to
-    the MMAs (proxy fence, then every producer thread past a barrier) and arrives on the ready barrier of stage
-    it - pending (none where that is before stage 0)."""
-    async_copy.wait_group(pending)
-    fence_async_shared()
-    _cta_barrier()
-    mbarrier.arrive(ready.index((it - pending + STAGES) % STAGES), pred=it >= pending)
-
-
-@gluon.jit
-def _gathered_producer(src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_ptr,
-                       ends_ptr, E, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                       STAGES: gl.constexpr, M_FASTEST: gl.constexpr, CLAIM: gl.constexpr,
-                       NUM_CONSUMERS: gl.constexpr, WARPS: gl.constexpr):
-    """_grouped_producer of a SWIGLU build for A rows gathered from src by idx (GATHER): B's gate / up blocks by TMA
-    as there, A by cp.async, so the gathered copy of the rows is never written. A stage's ready barrier counts two
-    arrivals: B's expected bytes, and its A rows landed, which the partition reports one stage later, after issuing
-    the next stage's copies (cp.async writes through the generic proxy: each thread waits for its own copies, fences
-    them for the async proxy the wgmma reads through, and one thread arrives past a barrier of all). One stage, not
-    more: the report of stage s comes after the wait for stage s + LAG's slot, which a consumer frees only once it
-    has issued its MMAs on stage s + LAG + 1 - STAGES, so LAG <= STAGES - 2 or it waits on itself."""
-    gl.static_assert(STAGES >= 3, "a stage being filled, one landing, one read")
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
-    HALF: gl.constexpr = BLOCK_N // 2
-    LAG: gl.constexpr = 1
-    b_bytes: gl.constexpr = BLOCK_N * BLOCK_K * b_desc.dtype.primitive_bitwidth // 8
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    t, e, start, end, tile0, it = _producer_first_tile(claim_ptr, ends_ptr, E, num_pid_n, BLOCK_M, CLAIM)
-    while e < E:
-        off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
-        b_base = e * N
-        off_g = off_n // BLOCK_N * HALF
-        if CLAIM:
-            _publish(ids, empty, it, t, STAGES, WARPS)
-        off0, has0 = _gather_rows(idx_ptr, off_m, S, T_src, ld8, ROWS, layout)
-        if NUM_CONSUMERS == 2:
-            off1, has1 = _gather_rows(idx_ptr, off_m + ROWS, S, T_src, ld8, ROWS, layout)
-        for ki in range(0, k_tiles):
-            s = it % STAGES
-            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), b_bytes)
-            _load_swiglu_b_block(b_desc, b_bufs, ready, s, b_base, off_g, N // BLOCK_N * HALF, ki, BLOCK_K, HALF)
-            if NUM_CONSUMERS == 1:
-                _gather_block(src_ptr, off0, has0, a_bufs.index(s), ki, BLOCK_K, layout)
-            else:
-                _gather_block(src_ptr, off0, has0, a_bufs[0].index(s), ki, BLOCK_K, layout)
-                _gather_block(src_ptr, off1, has1, a_bufs[1].index(s), ki, BLOCK_K, layout)
-            async_copy.commit_group()
-            _gathered_arrive(ready, it, LAG, STAGES)
-            it += 1
-        t, e, start, end, tile0 = _producer_next_tile(t, claim_ptr, ends_ptr, E, num_pid_n, e, start, end, tile0,
-                                                      BLOCK_M, CLAIM)
-    _gathered_arrive(ready, it - 1, 0, STAGES)  # the last stage's rows
-    if CLAIM:
-        _publish(ids, empty, it, -1, STAGES, WARPS)
-        mbarrier.arrive(ready.index(it % STAGES), count=2)
 
 
 @gluon.jit
@@ -458,6 +287,41 @@ def _warp_specialize_gathered(a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b
 
 
 @gluon.jit
+def _warp_specialize_tma_rows(a_desc, a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b_desc, c_desc, c_ptr, ldc,
+                              ends_ptr, claim_ptr, E, N, K, act_ptr, idx_ptr, T_src, S, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                              B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                              CONSUMER_WARPS: gl.constexpr, CLAIM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                              SWIGLU: gl.constexpr):
+    """grouped_ws_kernel's partitions with GATHER == 2: the two consumers, and the row producers _tma_rows_lead /
+    _tma_rows_follower (a_desc: the row descriptor), one warp each, with the ring the lead hands tiles over in."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    gl.static_assert(SWIGLU, "GATHER == 2: the split SWIGLU builds only")
+    handoff = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tile_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(tile_full.index(i), count=1)
+        mbarrier.init(tile_empty.index(i), count=1)
+    gl.warp_specialize([
+        (_grouped_consumer, (a_bufs[0], b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(0), c_ptr,
+                             ldc, act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             B_TRANS, M_FASTEST, CLAIM, 0, ROWS, SWIGLU)),
+        (_grouped_consumer, (a_bufs[1], b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(1), c_ptr,
+                             ldc, act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                             B_TRANS, M_FASTEST, CLAIM, ROWS, ROWS, SWIGLU)),
+        (_tma_rows_lead, (a_desc, idx_ptr, T_src, S, b_desc, a_bufs, b_bufs, ready, empty, ids, handoff,
+                          tile_full, tile_empty, claim_ptr, ends_ptr, E, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                          M_FASTEST, CLAIM)),
+        (_tma_rows_follower, (a_desc, idx_ptr, T_src, S, a_bufs, ready, empty, handoff, tile_full, tile_empty,
+                              ends_ptr, E, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, M_FASTEST)),
+    ], [CONSUMER_WARPS, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
+    for i in gl.static_range(2):
+        mbarrier.invalidate(tile_full.index(i))
+        mbarrier.invalidate(tile_empty.index(i))
+
+
+@gluon.jit
 def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E, N, K, act_ptr, src_ptr, idx_ptr,
                       T_src, S, ld8,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
@@ -486,7 +350,9 @@ def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E
     GATHER: A's row r is src[idx[r]]: src_ptr [T_src, K] with a row stride of 8 * ld8 elements, in a_desc's dtype
     (a_desc only gives the rows' dtype and shared layout then); idx_ptr int64 [S]; a zero row where r >= S or idx[r]
     is not in [0, T_src). A four-warp producer loads them with cp.async (_gathered_producer), so the gathered rows
-    are never written out. Without it src_ptr / idx_ptr / T_src / S / ld8 are unused."""
+    are never written out. Without it src_ptr / idx_ptr / T_src / S / ld8 are unused. GATHER == 2 (NUM_CONSUMERS 2):
+    by TMA instead, a_desc then a descriptor over src with block [1, BLOCK_K] in a consumer stage's layout and idx_ptr
+    int32: _tma_rows_lead and _tma_rows_follower, one warp each, copy a consumer's rows of each stage."""
     dtype: gl.constexpr = a_desc.dtype
     ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
     if NUM_CONSUMERS == 1:
@@ -511,7 +377,13 @@ def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E
             mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
     # (the argument tuples stay literal: a tuple assigned to a name turns its constexprs into tensors)
-    if GATHER:
+    if GATHER == 2:
+        gl.static_assert(NUM_CONSUMERS == 2, "GATHER == 2: the split consumers only")
+        _warp_specialize_tma_rows(a_desc, a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b_desc, c_desc, c_ptr, ldc,
+                                  ends_ptr, claim_ptr, E, N, K, act_ptr, idx_ptr, T_src, S, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  STAGES, B_TRANS, M_FASTEST, PRODUCER_REGS, CONSUMER_WARPS, CLAIM, CONSUMER_REGS,
+                                  SWIGLU)
+    elif GATHER:
         _warp_specialize_gathered(a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b_desc, c_desc, c_ptr, ldc,
                                   ends_ptr, claim_ptr, E, N, K, act_ptr, src_ptr, idx_ptr, T_src, S, ld8, BLOCK_M,
                                   BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, PRODUCER_REGS, CONSUMER_WARPS, CLAIM,

@@ -10,7 +10,8 @@ along the swizzling pattern"), so the row's view is reinterpreted through a flat
 TMA swizzles by the absolute shared-memory address (its 1024-byte pattern), which this probe checks: the stages go
 back out through a whole-tile TMA store and must equal src[idx]. TMA copies are issued by one elected thread per
 partition, and a stage of 128 rows is 128 copies where the GEMM's K step has ~1000 cycles, so the rows are split
-over 1, 2 or 4 one-warp producer partitions.
+over 1, 2 or 4 one-warp producer partitions. Triton 3.6 only (the GPU machine's; 3.7 on refuse a box smaller than
+its destination).
 
 Timed: the loads alone (the consumer only releases each stage), for every (m-tile, n-tile) pair as the up GEMM
 walks them (n-tiles of an m-tile on neighbouring programs, so the rows come from L2 after the first), against the

@@ -49,6 +49,8 @@ def test_tma_row_builds_for_sm90(m_fastest, claim):
     both producers at their register budget. What ptxas spills (at most 32 bytes a thread) are arguments the
     partitions take at the kernel's start, not values of the K loops."""
     gemm_ws_host = _gluon_or_skip()
+    if gemm_ws_host.tma_rows_missing():
+        pytest.skip(gemm_ws_host.tma_rows_missing())
     k = _build("128x256s", m_fastest, claim, swiglu=True, gather="tma")
     rep = ptxas_report(k.asm["ptx"])
     assert not rep["advisories"], "\n".join(rep["advisories"])
@@ -101,6 +103,8 @@ def test_tma_row_launch_arguments(monkeypatch, claim):
     swizzle of a consumer's [64, 64] stage; the rows as int32, indices outside [-1, T] clamped to -1 / T (out of int32
     they must not wrap onto a row)."""
     gemm_ws_host = _gluon_or_skip()
+    if gemm_ws_host.tma_rows_missing():
+        pytest.skip(gemm_ws_host.tma_rows_missing())
     from triton.experimental.gluon import language as gl
 
     from kosmos.kernels import grouped_ws
@@ -137,6 +141,11 @@ def test_gathered_launch_refusals(monkeypatch):
         launch(src, b, ends, programs=5, rows=rows, gather="tma", config="128x256")
     with pytest.raises(ValueError, match="gather 'ldgsts'"):
         launch(src, b, ends, programs=5, rows=rows, gather="ldgsts", config="128x256s")
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "3.7.1")
+    with pytest.raises(ValueError, match="triton 3.6 only, not 3.7.1"):
+        launch(src, b, ends, programs=5, rows=rows, gather="tma", config="128x256s")
     assert not seen
 
 
@@ -170,6 +179,7 @@ def test_op_gathers_only_when_asked(monkeypatch):
     assert call(16384, 128, 768, 2048) is None  # Qwen3-30B-A3B: torch's grouped kernel
     assert call(4096, 256, 1600, 7168) is None  # I % 128 != 0
     monkeypatch.setenv(moe_ops.GATHER_ENV, "tma")
+    monkeypatch.setattr(gemm_ws_host, "tma_rows_missing", lambda: None)  # as on triton 3.6
     assert call(16384, 128, 1536, 4096) == ("h", "act")
     assert launched[-1]["gather"] == "tma" and launched[0]["gather"] == "cp.async"
     monkeypatch.setenv(moe_ops.GATHER_ENV, "on")

@@ -272,9 +272,19 @@ def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
 # forty-fourth session), not at 56; the first consumer still gets 216 then (the kernel is built for 168).
 GATHER_PRODUCER_REGS = 56
 # launch_grouped_mm_swiglu's gather= ways: the constexprs each adds. "tma": two one-warp producers copy a stage's rows
-# one TMA box [1, BLOCK_K] each (grouped_ws._tma_rows_lead / _tma_rows_follower; the split configs only).
+# one TMA box [1, BLOCK_K] each (grouped_ws_gather._tma_rows_lead / _tma_rows_follower; the split configs only).
 GATHER_CONSTEXPRS = {"cp.async": dict(GATHER=True, PRODUCER_REGS=GATHER_PRODUCER_REGS),
                      "tma": dict(GATHER=2, PRODUCER_REGS=40)}
+
+
+def tma_rows_missing() -> Optional[str]:
+    """None where this triton builds the TMA row copies (3.6), else why not. A row's copy lands through an 8-row view
+    of the swizzled stage; triton 3.7 on require a copy's box to fill its destination, and lower no swizzled
+    one-row destination ("Illegal shared layout"), so there is no way to write it (checked on 3.7.1, 3.8.0, 3.9.0)."""
+    import triton
+
+    version = tuple(int(p) for p in triton.__version__.split(".")[:2])
+    return None if version == (3, 6) else f"TMA row copies build on triton 3.6 only, not {triton.__version__}"
 
 
 def gather_unsupported(src: torch.Tensor, rows: torch.Tensor, gather: str = "cp.async",
@@ -282,11 +292,13 @@ def gather_unsupported(src: torch.Tensor, rows: torch.Tensor, gather: str = "cp.
     """Why launch_grouped_mm_swiglu cannot gather A's rows from src by rows the `gather` way in `config`, or None:
     rows a contiguous int64 [S] on src's device; src row-major, its rows a multiple of the K block long (the
     gathered copies have no column mask) and 16-byte aligned (each thread copies 16 bytes; TMA's rule too, which
-    also wants src's start 16-byte aligned); "tma" in a split config only."""
+    also wants src's start 16-byte aligned); "tma" in a split config only, on triton 3.6 (tma_rows_missing)."""
     if gather not in GATHER_CONSTEXPRS:
         return f"gather {gather!r} (one of {sorted(GATHER_CONSTEXPRS)})"
     if gather == "tma" and GROUPED_CONFIGS[config]["NUM_CONSUMERS"] != 2:
         return f"TMA row copies need the split consumers (config 128x256s), not {config}"
+    if gather == "tma" and tma_rows_missing():
+        return tma_rows_missing()
     if gather == "tma" and src.data_ptr() % 16:
         return "TMA row copies need src 16-byte aligned"
     if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous() or rows.device != src.device:

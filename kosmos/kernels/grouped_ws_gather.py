@@ -12,7 +12,8 @@ GATHER = 2 (KOSMOS_GROUPED_GATHER=tma, the split consumers): one TMA copy of box
 one-warp producers (a stage's 128 rows are 128 copies, each from one elected thread; the K step of a 128 x 256 tile
 is ~1000 cycles). Triton refuses a one-row slice of a 128-byte-swizzled stage, so each copy goes through an 8-row
 view reinterpreted from a flat one at the row; it is right only if TMA swizzles by the shared-memory address,
-which benchmarks/tma_row_gather.py checks on the GPU. Built for sm_90 on the CPU; not yet run on a GPU.
+which benchmarks/tma_row_gather.py checks on the GPU. Triton 3.6 only (gemm_ws_host.tma_rows_missing: later
+releases refuse a box smaller than its destination). Built for sm_90 on the CPU; not yet run on a GPU.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Can TMA feed a grouped GEMM's A tiles gathered row by row (sm_90, Gluon)? A probe, before building it into
-grouped_ws.py.
+"""Can TMA feed a grouped GEMM's A tiles gathered row by row (sm_90, Gluon)? A probe of the row copies that
+grouped_ws_gather.py's GATHER == 2 producers make (_row_copies itself), without the GEMM around them.
 
 Why: the reference forward's up projection reads rows gathered from the hidden states by the sorted pairs' token
 index. Today a gather kernel writes them out first (0.348 ms of Qwen3-235B's T = 16384 forward, fortieth session),
@@ -10,7 +10,7 @@ along the swizzling pattern"), so the row's view is reinterpreted through a flat
 TMA swizzles by the absolute shared-memory address (its 1024-byte pattern), which this probe checks: the stages go
 back out through a whole-tile TMA store and must equal src[idx]. TMA copies are issued by one elected thread per
 partition, and a stage of 128 rows is 128 copies where the GEMM's K step has ~1000 cycles, so the rows are split
-over 1, 2 or 4 one-warp producer partitions. Triton 3.6 only (the GPU machine's; 3.7 on refuse a box smaller than
+over 1, 2 or 4 one-warp producer partitions (the GEMM has 2), each filling a ring of its own. Triton 3.6 only (the GPU machine's; 3.7 on refuse a box smaller than
 its destination).
 
 Timed: the loads alone (the consumer only releases each stage), for every (m-tile, n-tile) pair as the up GEMM
@@ -33,6 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from kosmos.kernels.gemm_ws import _tma_load, _tma_store
+from kosmos.kernels.grouped_ws_gather import _row_copies, _rows_view
 
 BLOCK_M = 128
 BLOCK_K = 64
@@ -41,30 +42,24 @@ LAYERS = {"qwen3_235b": (4096, 1536, 128), "deepseek_v3": (7168, 2048, 256), "qw
 
 
 @gluon.jit
-def _row_producer(src_desc, idx_ptr, bufs, ready, empty, n_work, NT, k_tiles, FIRST: gl.constexpr,
+def _row_producer(src_desc, idx_ptr, ring, ready, empty, n_work, NT, k_tiles, S, T_src, FIRST: gl.constexpr,
                   ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    """Rows [FIRST, FIRST + ROWS) of every stage: one TMA copy of row idx[r] each (idx padded on the host to whole
-    tiles with an out-of-range row, which TMA fills with zeros)."""
-    dtype: gl.constexpr = src_desc.dtype
-    # every row of the ring, unswizzled, so that a row can be indexed (Triton refuses slices that split the swizzle
-    # pattern); a row's copy lands through an 8-row swizzled view from that row on, whose box writes that row only
-    rows = bufs._reinterpret(dtype, [STAGES * BLOCK_M, 1, BLOCK_K], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    """Rows [FIRST, FIRST + ROWS) of every stage into this producer's ring, by the kernel's own row copies
+    (grouped_ws_gather._row_copies: rows past S get zeros)."""
+    rows_view = _rows_view(ring, STAGES, ROWS, BLOCK_K)
     it = 0
     for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-        row0 = (w // NT) * BLOCK_M + FIRST
         for ki in range(0, k_tiles):
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), ROWS * BLOCK_K * dtype.primitive_bitwidth // 8)
-            for r in gl.static_range(ROWS):
-                tok = gl.load(idx_ptr + row0 + r)
-                dst = rows.index(s * BLOCK_M + FIRST + r)._reinterpret(dtype, [8, BLOCK_K], src_desc.layout)
-                _tma_load(src_desc, [tok, ki * BLOCK_K], ready.index(s), dst)
+            mbarrier.expect(ready.index(s), ROWS * BLOCK_K * src_desc.dtype.primitive_bitwidth // 8)
+            _row_copies(src_desc, idx_ptr, rows_view, ready, s, (w // NT) * BLOCK_M + FIRST, S, T_src, ki, ROWS,
+                        BLOCK_K)
             it += 1
 
 
 @gluon.jit
-def _tile_producer(a_desc, bufs, ready, empty, n_work, NT, k_tiles, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+def _tile_producer(a_desc, rings, ready, empty, n_work, NT, k_tiles, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
                    STAGES: gl.constexpr):
     """The baseline: contiguous rows, one [BLOCK_M, BLOCK_K] TMA copy a stage."""
     it = 0
@@ -73,14 +68,16 @@ def _tile_producer(a_desc, bufs, ready, empty, n_work, NT, k_tiles, BLOCK_M: gl.
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), BLOCK_M * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8)
-            _tma_load(a_desc, [(w // NT) * BLOCK_M, ki * BLOCK_K], ready.index(s), bufs.index(s))
+            _tma_load(a_desc, [(w // NT) * BLOCK_M, ki * BLOCK_K], ready.index(s), rings[0].index(s))
             it += 1
 
 
 @gluon.jit
-def _consumer(bufs, ready, empty, out_desc, n_work, NT, k_tiles, COPY_OUT: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    """Waits for each stage and gives it back; COPY_OUT: n-tile 0's stages go out whole through TMA first."""
+def _consumer(rings, ready, empty, out_desc, n_work, NT, k_tiles, COPY_OUT: gl.constexpr, PRODUCERS: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """Waits for each stage and gives it back; COPY_OUT: n-tile 0's stages go out through TMA first, a ring's rows
+    at a time."""
+    ROWS: gl.constexpr = BLOCK_M // PRODUCERS
     it = 0
     for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
         for ki in range(0, k_tiles):
@@ -88,18 +85,20 @@ def _consumer(bufs, ready, empty, out_desc, n_work, NT, k_tiles, COPY_OUT: gl.co
             mbarrier.wait(ready.index(s), (it // STAGES) & 1)
             if COPY_OUT:
                 if w % NT == 0:
-                    _tma_store(out_desc, [(w // NT) * BLOCK_M, ki * BLOCK_K], bufs.index(s))
+                    for p in gl.static_range(PRODUCERS):
+                        _tma_store(out_desc, [(w // NT) * BLOCK_M + p * ROWS, ki * BLOCK_K], rings[p].index(s))
                     tma.store_wait(pendings=0)
             mbarrier.arrive(empty.index(s))
             it += 1
 
 
 @gluon.jit
-def row_gather_probe_kernel(src_desc, a_desc, out_desc, idx_ptr, n_work, NT, k_tiles, PRODUCERS: gl.constexpr,
-                            COPY_OUT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                            STAGES: gl.constexpr):
-    """PRODUCERS 0: the contiguous baseline (a_desc); 1, 2, 4: that many one-warp partitions copy a stage's rows."""
-    bufs = gl.allocate_shared_memory(out_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], out_desc.layout)
+def row_gather_probe_kernel(src_desc, a_desc, out_desc, idx_ptr, S, T_src, n_work, NT, k_tiles,
+                            PRODUCERS: gl.constexpr, COPY_OUT: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """PRODUCERS 0: the contiguous baseline (a_desc, one ring of whole stages); 1, 2, 4: that many one-warp
+    partitions, each filling its own ring with its share of a stage's rows (out_desc's block: that share)."""
+    dtype: gl.constexpr = out_desc.dtype
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -110,36 +109,44 @@ def row_gather_probe_kernel(src_desc, a_desc, out_desc, idx_ptr, n_work, NT, k_t
         mbarrier.init(empty.index(i), count=1)
     # (the argument tuples stay literal: a tuple assigned to a name turns its constexprs into tensors)
     if PRODUCERS == 0:
+        rings = (gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout), )
         gl.warp_specialize([
-            (_consumer, (bufs, ready, empty, out_desc, n_work, NT, k_tiles, COPY_OUT, BLOCK_M, BLOCK_K, STAGES)),
-            (_tile_producer, (a_desc, bufs, ready, empty, n_work, NT, k_tiles, BLOCK_M, BLOCK_K, STAGES)),
+            (_consumer, (rings, ready, empty, out_desc, n_work, NT, k_tiles, False, 1, BLOCK_M, BLOCK_K, STAGES)),
+            (_tile_producer, (a_desc, rings, ready, empty, n_work, NT, k_tiles, BLOCK_M, BLOCK_K, STAGES)),
         ], [1], [40])
     elif PRODUCERS == 1:
+        rings = (gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], out_desc.layout), )
         gl.warp_specialize([
-            (_consumer, (bufs, ready, empty, out_desc, n_work, NT, k_tiles, COPY_OUT, BLOCK_M, BLOCK_K, STAGES)),
-            (_row_producer, (src_desc, idx_ptr, bufs, ready, empty, n_work, NT, k_tiles, 0, BLOCK_M, BLOCK_M,
-                             BLOCK_K, STAGES)),
+            (_consumer, (rings, ready, empty, out_desc, n_work, NT, k_tiles, COPY_OUT, 1, BLOCK_M, BLOCK_K, STAGES)),
+            (_row_producer, (src_desc, idx_ptr, rings[0], ready, empty, n_work, NT, k_tiles, S, T_src, 0, BLOCK_M,
+                             BLOCK_M, BLOCK_K, STAGES)),
         ], [1], [40])
     elif PRODUCERS == 2:
+        rings = (gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M // 2, BLOCK_K], out_desc.layout),
+                 gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M // 2, BLOCK_K], out_desc.layout))
         gl.warp_specialize([
-            (_consumer, (bufs, ready, empty, out_desc, n_work, NT, k_tiles, COPY_OUT, BLOCK_M, BLOCK_K, STAGES)),
-            (_row_producer, (src_desc, idx_ptr, bufs, ready, empty, n_work, NT, k_tiles, 0, BLOCK_M // 2, BLOCK_M,
-                             BLOCK_K, STAGES)),
-            (_row_producer, (src_desc, idx_ptr, bufs, ready, empty, n_work, NT, k_tiles, BLOCK_M // 2, BLOCK_M // 2,
-                             BLOCK_M, BLOCK_K, STAGES)),
+            (_consumer, (rings, ready, empty, out_desc, n_work, NT, k_tiles, COPY_OUT, 2, BLOCK_M, BLOCK_K, STAGES)),
+            (_row_producer, (src_desc, idx_ptr, rings[0], ready, empty, n_work, NT, k_tiles, S, T_src, 0,
+                             BLOCK_M // 2, BLOCK_M, BLOCK_K, STAGES)),
+            (_row_producer, (src_desc, idx_ptr, rings[1], ready, empty, n_work, NT, k_tiles, S, T_src, BLOCK_M // 2,
+                             BLOCK_M // 2, BLOCK_M, BLOCK_K, STAGES)),
         ], [1, 1], [40, 40])
     else:
         gl.static_assert(PRODUCERS == 4, "0, 1, 2 or 4 producers")
+        rings = (gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M // 4, BLOCK_K], out_desc.layout),
+                 gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M // 4, BLOCK_K], out_desc.layout),
+                 gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M // 4, BLOCK_K], out_desc.layout),
+                 gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M // 4, BLOCK_K], out_desc.layout))
         gl.warp_specialize([
-            (_consumer, (bufs, ready, empty, out_desc, n_work, NT, k_tiles, COPY_OUT, BLOCK_M, BLOCK_K, STAGES)),
-            (_row_producer, (src_desc, idx_ptr, bufs, ready, empty, n_work, NT, k_tiles, 0, BLOCK_M // 4, BLOCK_M,
-                             BLOCK_K, STAGES)),
-            (_row_producer, (src_desc, idx_ptr, bufs, ready, empty, n_work, NT, k_tiles, BLOCK_M // 4, BLOCK_M // 4,
-                             BLOCK_M, BLOCK_K, STAGES)),
-            (_row_producer, (src_desc, idx_ptr, bufs, ready, empty, n_work, NT, k_tiles, BLOCK_M // 2, BLOCK_M // 4,
-                             BLOCK_M, BLOCK_K, STAGES)),
-            (_row_producer, (src_desc, idx_ptr, bufs, ready, empty, n_work, NT, k_tiles, 3 * BLOCK_M // 4,
+            (_consumer, (rings, ready, empty, out_desc, n_work, NT, k_tiles, COPY_OUT, 4, BLOCK_M, BLOCK_K, STAGES)),
+            (_row_producer, (src_desc, idx_ptr, rings[0], ready, empty, n_work, NT, k_tiles, S, T_src, 0,
                              BLOCK_M // 4, BLOCK_M, BLOCK_K, STAGES)),
+            (_row_producer, (src_desc, idx_ptr, rings[1], ready, empty, n_work, NT, k_tiles, S, T_src, BLOCK_M // 4,
+                             BLOCK_M // 4, BLOCK_M, BLOCK_K, STAGES)),
+            (_row_producer, (src_desc, idx_ptr, rings[2], ready, empty, n_work, NT, k_tiles, S, T_src, BLOCK_M // 2,
+                             BLOCK_M // 4, BLOCK_M, BLOCK_K, STAGES)),
+            (_row_producer, (src_desc, idx_ptr, rings[3], ready, empty, n_work, NT, k_tiles, S, T_src,
+                             3 * BLOCK_M // 4, BLOCK_M // 4, BLOCK_M, BLOCK_K, STAGES)),
         ], [1, 1, 1, 1], [40, 40, 40, 40])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -147,20 +154,20 @@ def row_gather_probe_kernel(src_desc, a_desc, out_desc, idx_ptr, n_work, NT, k_t
 
 
 def probe(src: torch.Tensor, idx: torch.Tensor, nt: int, producers: int, copy_out: bool, a: torch.Tensor = None):
-    """One launch over every (m-tile, n-tile) pair; returns the gathered tiles (copy_out) or None."""
+    """One launch over every (m-tile, n-tile) pair; returns the gathered tiles (copy_out) or None. idx: int32 row
+    indices into src (the kernel gives rows past them zeros)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     S, K = idx.numel(), src.shape[1]
     m_tiles = -(-S // BLOCK_M)
-    padded = torch.full((m_tiles * BLOCK_M,), src.shape[0], dtype=torch.int32, device=src.device)
-    padded[:S] = idx
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.bfloat16)
+    rows = BLOCK_M // max(producers, 1)  # a ring's share of a stage
+    layout = gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gl.bfloat16)
     src_desc = TensorDescriptor.from_tensor(src, [1, BLOCK_K], layout)
-    out = torch.zeros(m_tiles * BLOCK_M, K, dtype=src.dtype, device=src.device) if copy_out else padded[:0]
-    out_desc = TensorDescriptor.from_tensor(out if copy_out else src, [BLOCK_M, BLOCK_K], layout)
+    out = torch.zeros(m_tiles * BLOCK_M, K, dtype=src.dtype, device=src.device) if copy_out else src
+    out_desc = TensorDescriptor.from_tensor(out, [rows, BLOCK_K], layout)
     a_desc = TensorDescriptor.from_tensor(a if a is not None else src, [BLOCK_M, BLOCK_K], layout)
     sms = torch.cuda.get_device_properties(src.device).multi_processor_count
-    row_gather_probe_kernel[(sms,)](src_desc, a_desc, out_desc, padded, m_tiles * nt, nt, K // BLOCK_K,
+    row_gather_probe_kernel[(sms,)](src_desc, a_desc, out_desc, idx, S, src.shape[0], m_tiles * nt, nt, K // BLOCK_K,
                                     PRODUCERS=producers, COPY_OUT=copy_out, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
                                     STAGES=STAGES, num_warps=4)
     return out if copy_out else None

@@ -89,6 +89,22 @@ def run_cases(cases, namespace: dict, *args) -> None:
     print("REPORT " + json.dumps(report))
 
 
+def timeout_then_broken(call) -> list:
+    """The messages of what two calls of `call` must raise once a fused kernel's error word is set: KernelTimeout,
+    then WorkspaceBroken (the control tensor is unusable from then on)."""
+    from kosmos.kernels.runtime import KernelTimeout, WorkspaceBroken
+
+    msgs = []
+    for exc in (KernelTimeout, WorkspaceBroken):
+        try:
+            call()
+        except exc as e:
+            msgs.append(str(e))
+            continue
+        raise AssertionError(f"no {exc.__name__}")
+    return msgs
+
+
 def interpreter_env() -> dict:
     """The environment of an interpreter subprocess: TRITON_INTERPRET=1, the repository and tests/ ahead of the
     caller's PYTHONPATH."""

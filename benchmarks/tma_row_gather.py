@@ -8,10 +8,10 @@ kernel (forty-fourth session). A third way: one TMA copy of box [1, BLOCK_K] per
 swizzled stage. Gluon (triton 3.6) refuses a one-row slice of a 128B-swizzled buffer ("We don't support splitting
 along the swizzling pattern"), so the row's view is reinterpreted through a flat one; the copy is right only if
 TMA swizzles by the absolute shared-memory address (its 1024-byte pattern), which this probe checks: the stages go
-back out through a whole-tile TMA store and must equal src[idx]. TMA copies are issued by one elected thread per
-partition, and a stage of 128 rows is 128 copies where the GEMM's K step has ~1000 cycles, so the rows are split
-over 1, 2 or 4 one-warp producer partitions (the GEMM has 2), each filling a ring of its own. Triton 3.6 only (the GPU machine's; 3.7 on refuse a box smaller than
-its destination).
+back out through TMA stores and must equal src[idx]. TMA copies are issued by one elected thread per partition, and
+a stage of 128 rows is 128 copies where the GEMM's K step has ~1000 cycles, so the rows are split over 1, 2 or 4
+one-warp producer partitions (the GEMM has 2), each filling a ring of its own. Triton 3.6 only (the GPU machine's;
+3.7 on refuse a box smaller than its destination).
 
 Timed: the loads alone (the consumer only releases each stage), for every (m-tile, n-tile) pair as the up GEMM
 walks them (n-tiles of an m-tile on neighbouring programs, so the rows come from L2 after the first), against the

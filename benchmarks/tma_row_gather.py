@@ -13,12 +13,12 @@ a stage of 128 rows is 128 copies where the GEMM's K step has ~1000 cycles, so t
 one-warp producer partitions (the GEMM has 2), each filling a ring of its own. Triton 3.6 only (the GPU machine's;
 3.7 on refuse a box smaller than its destination).
 
-Timed: the loads alone (the consumer only releases each stage), for every (m-tile, n-tile) pair as the up GEMM
-walks them (n-tiles of an m-tile on neighbouring programs, so the rows come from L2 after the first), against the
-same walk over contiguous rows with one [BLOCK_M, BLOCK_K] TMA copy a stage (what the GEMM loads today). If the
-row copies take well under the GEMM's time per stage (~0.85 us at Qwen3-235B's T = 16384: its up GEMM's ~5.4 ms over
-its stages), the GEMM built with them (grouped_ws_gather.py, GATHER == 2; grouped_mm.py --swiglu's
-swiglu_gathered_tma) is worth timing.
+Timed by measure.bench_calls (at least --reps calls, L2 flushed before each): the loads alone (the consumer only
+releases each stage), for every (m-tile, n-tile) pair as the up GEMM walks them (n-tiles of an m-tile on
+neighbouring programs, so the rows come from L2 after the first), against the same walk over contiguous rows with
+one [BLOCK_M, BLOCK_K] TMA copy a stage (what the GEMM loads today). If the row copies take well under the GEMM's
+time per stage (~0.85 us at Qwen3-235B's T = 16384: its up GEMM's ~5.4 ms over its stages), the GEMM built with
+them (grouped_ws_gather.py, GATHER == 2; grouped_mm.py --swiglu's swiglu_gathered_tma) is worth timing.
 
     PYTHONPATH=.:benchmarks python3 benchmarks/tma_row_gather.py --layer qwen3_235b --T 16384
 """
@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from kosmos.kernels.gemm_ws import _tma_load, _tma_store
 from kosmos.kernels.grouped_ws_gather import _row_copies, _rows_view
+from measure import bench_calls
 
 BLOCK_M = 128
 BLOCK_K = 64
@@ -173,25 +174,12 @@ def probe(src: torch.Tensor, idx: torch.Tensor, nt: int, producers: int, copy_ou
     return out if copy_out else None
 
 
-def _ms(fn, reps: int) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layer", default="qwen3_235b", choices=sorted(LAYERS))
     p.add_argument("--T", type=int, default=16384)
     p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=20, help="at least this many timed calls (measure.bench_calls)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     H, I, E = LAYERS[args.layer]
@@ -212,13 +200,13 @@ def main() -> None:
     for producers in (0, 1, 2, 4):
         if producers == 0:
             same = True
-            ms = _ms(lambda: probe(src, idx, nt, 0, False, a=copy), args.reps)
+            ms = bench_calls(lambda: probe(src, idx, nt, 0, False, a=copy), 25, 100, args.reps)
         else:
             out = probe(src, idx[:1000], 1, producers, True)  # a ragged last tile: its pad rows must come back zero
             same = torch.equal(out[:1000], want[:1000]) and not out[1000:].any()
             out = probe(src, idx, 1, producers, True)
             same = same and torch.equal(out[:S], want)
-            ms = _ms(lambda: probe(src, idx, nt, producers, False), args.reps)
+            ms = bench_calls(lambda: probe(src, idx, nt, producers, False), 25, 100, args.reps)
         rows[producers] = dict(same_bits=same, ms=ms, us_per_stage_per_sm=ms * 1e3 * sms / stages)
         name = "contiguous, one copy a stage" if producers == 0 else f"row copies, {producers} producer warp(s)"
         print(f"  {name:34s} {ms:8.3f} ms  {ms * 1e3 * sms / stages:6.3f} us a stage per SM  same bits: {same}",

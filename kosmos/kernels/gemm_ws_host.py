@@ -254,14 +254,15 @@ def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
     cfg = {**GROUPED_CONFIGS[config], "SWIGLU": True}
     if rows is not None:
         cfg.update(GATHER_CONSTEXPRS[gather])
+    by_tma = cfg["GATHER"] == 2
     tile_rows = BM // cfg["NUM_CONSUMERS"]  # a consumer's rows of a tile
     # (gathered by cp.async, a_desc only gives the kernel A's dtype and shared layout; by TMA it copies one row of
     # src, in the swizzle of a consumer's stage)
-    a_block = [1, BK] if rows is not None and gather == "tma" else [tile_rows, BK]
-    a_desc = _descriptor(a, [a.shape[0], K], a.stride(0), a_block, layout_block=[tile_rows, BK])
+    a_desc = _descriptor(a, [a.shape[0], K], a.stride(0), [1, BK] if by_tma else [tile_rows, BK],
+                         layout_block=[tile_rows, BK])
     b_desc = _descriptor(b, [E * N, K], K, [BN // 2, BK])  # a gate or an up block: half a stage
     c_desc = _descriptor(h, [S, N], N, [tile_rows, BN // 2])
-    if rows is not None and gather == "tma":  # int32 coordinates; indices out of int32 range must not wrap into it
+    if by_tma:  # int32 coordinates; indices out of int32 range must not wrap into it
         rows = rows.clamp(-1, a.shape[0]).to(torch.int32)
     _launch_grouped(a_desc, b_desc, c_desc, h, N, ends, E, N, K, act, True, m_fastest, claim, cfg, programs,
                     a.device, None if rows is None else (a, rows))
@@ -295,12 +296,14 @@ def gather_unsupported(src: torch.Tensor, rows: torch.Tensor, gather: str = "cp.
     also wants src's start 16-byte aligned); "tma" in a split config only, on triton 3.6 (tma_rows_missing)."""
     if gather not in GATHER_CONSTEXPRS:
         return f"gather {gather!r} (one of {sorted(GATHER_CONSTEXPRS)})"
-    if gather == "tma" and GROUPED_CONFIGS[config]["NUM_CONSUMERS"] != 2:
-        return f"TMA row copies need the split consumers (config 128x256s), not {config}"
-    if gather == "tma" and tma_rows_missing():
-        return tma_rows_missing()
-    if gather == "tma" and src.data_ptr() % 16:
-        return "TMA row copies need src 16-byte aligned"
+    if gather == "tma":
+        if GROUPED_CONFIGS[config]["NUM_CONSUMERS"] != 2:
+            return f"TMA row copies need the split consumers (config 128x256s), not {config}"
+        missing = tma_rows_missing()
+        if missing:
+            return missing
+        if src.data_ptr() % 16:
+            return "TMA row copies need src 16-byte aligned"
     if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous() or rows.device != src.device:
         return (f"gather rows must be a contiguous int64 [S] on {src.device}, not {rows.dtype} {tuple(rows.shape)} "
                 f"on {rows.device}")

@@ -41,6 +41,15 @@ def test_gathered_builds_for_sm90(config, m_fastest, claim):
     assert re.search(rf"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+{gemm_ws_host.GATHER_PRODUCER_REGS};", ptx)
 
 
+def _tma_rows_or_skip():
+    """gemm_ws_host where this triton builds the TMA row copies, else a skip with the reason."""
+    gemm_ws_host = _gluon_or_skip()
+    missing = gemm_ws_host.tma_rows_missing()
+    if missing:
+        pytest.skip(missing)
+    return gemm_ws_host
+
+
 @needs_ptxas
 @pytest.mark.parametrize("m_fastest,claim", SCHEDULES, ids=lambda v: str(v))
 def test_tma_row_builds_for_sm90(m_fastest, claim):
@@ -48,9 +57,7 @@ def test_tma_row_builds_for_sm90(m_fastest, claim):
     one-row TMA copies each (a stage's 64 rows a producer, eight a loop step) beside B's two halves, and no cp.async;
     both producers at their register budget. What ptxas spills (at most 32 bytes a thread) are arguments the
     partitions take at the kernel's start, not values of the K loops."""
-    gemm_ws_host = _gluon_or_skip()
-    if gemm_ws_host.tma_rows_missing():
-        pytest.skip(gemm_ws_host.tma_rows_missing())
+    gemm_ws_host = _tma_rows_or_skip()
     k = _build("128x256s", m_fastest, claim, swiglu=True, gather="tma")
     rep = ptxas_report(k.asm["ptx"])
     assert not rep["advisories"], "\n".join(rep["advisories"])
@@ -102,9 +109,7 @@ def test_tma_row_launch_arguments(monkeypatch, claim):
     """gather="tma": GATHER 2 with its producers' registers; a_desc over the source rows with block [1, 64] in the
     swizzle of a consumer's [64, 64] stage; the rows as int32, indices outside [-1, T] clamped to -1 / T (out of int32
     they must not wrap onto a row)."""
-    gemm_ws_host = _gluon_or_skip()
-    if gemm_ws_host.tma_rows_missing():
-        pytest.skip(gemm_ws_host.tma_rows_missing())
+    gemm_ws_host = _tma_rows_or_skip()
     from triton.experimental.gluon import language as gl
 
     from kosmos.kernels import grouped_ws

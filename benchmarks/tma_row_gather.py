@@ -207,10 +207,10 @@ def main() -> None:
             out = probe(src, idx, 1, producers, True)
             same = same and torch.equal(out[:S], want)
             ms = bench_calls(lambda: probe(src, idx, nt, producers, False), 25, 100, args.reps)
-        rows[producers] = dict(same_bits=same, ms=ms, us_per_stage_per_sm=ms * 1e3 * sms / stages)
+        us = ms * 1e3 * sms / stages
+        rows[producers] = dict(same_bits=same, ms=ms, us_per_stage_per_sm=us)
         name = "contiguous, one copy a stage" if producers == 0 else f"row copies, {producers} producer warp(s)"
-        print(f"  {name:34s} {ms:8.3f} ms  {ms * 1e3 * sms / stages:6.3f} us a stage per SM  same bits: {same}",
-              flush=True)
+        print(f"  {name:34s} {ms:8.3f} ms  {us:6.3f} us a stage per SM  same bits: {same}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(layer=args.layer, T=args.T, rows={str(k): v for k, v in rows.items()}), f, indent=1)

@@ -12,8 +12,8 @@ kosmos_ms / kosmos_mcs: kosmos_m / kosmos_mc with each tile's rows split between
 --swiglu: the up GEMM alone, kosmos_mcs against kosmos_mcs_rows (+ moe_rows.swiglu_rows) and kosmos_mcs_swiglu (its
 SwiGLU epilogue, gemm_ws_host.launch_grouped_mm_swiglu: h and act in one launch); also gather_swiglu (the rows
 gathered from the layer's T tokens by moe_rows.gather_rows, then kosmos_mcs_swiglu: what the reference forward runs)
-and swiglu_gathered (the rows gathered inside the launch, launch_grouped_mm_swiglu(rows=...), by cp.async) /
-swiglu_gathered_tma (the same by one TMA copy a row, gather="tma"); the rows of all of them are that gathered copy.
+and swiglu_gathered (the rows gathered inside the launch, launch_grouped_mm_swiglu(rows=...)); the rows of all of
+them are that gathered copy.
 """
 from __future__ import annotations
 
@@ -88,8 +88,7 @@ def swiglu_impls(a, b, ends, out, src, rows):
     return {"kosmos_mcs_rows": lambda: swiglu_rows(grouped_mm(a, b, ends, out=out, **kw)),
             "kosmos_mcs_swiglu": lambda: launch_grouped_mm_swiglu(a, b, ends, **kw),
             "gather_swiglu": lambda: launch_grouped_mm_swiglu(gather_rows(src, rows), b, ends, **kw),
-            "swiglu_gathered": lambda: launch_grouped_mm_swiglu(src, b, ends, rows=rows, **kw),
-            "swiglu_gathered_tma": lambda: launch_grouped_mm_swiglu(src, b, ends, rows=rows, gather="tma", **kw)}
+            "swiglu_gathered": lambda: launch_grouped_mm_swiglu(src, b, ends, rows=rows, **kw)}
 
 
 def routed_rows(T: int, ends_cpu: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -114,14 +113,13 @@ def main() -> int:
     p.add_argument("--swiglu", action="store_true",
                    help="the up GEMM alone with impls kosmos_mcs (the matmul), kosmos_mcs_rows (+ the SwiGLU row "
                         "kernel), kosmos_mcs_swiglu (the SwiGLU epilogue: both in one launch), gather_swiglu (the "
-                        "row gather, then the epilogue), swiglu_gathered (the rows gathered in the launch by "
-                        "cp.async) and swiglu_gathered_tma (by one TMA copy a row)")
+                        "row gather, then the epilogue) and swiglu_gathered (the rows gathered in the launch)")
     p.add_argument("--json", default="")
     args = p.parse_args()
     if args.wgrad and args.impls == p.get_default("impls"):
         args.impls = "torch,kosmos,write"
     if args.swiglu and args.impls == p.get_default("impls"):
-        args.impls = "kosmos_mcs,kosmos_mcs_rows,kosmos_mcs_swiglu,gather_swiglu,swiglu_gathered,swiglu_gathered_tma"
+        args.impls = "kosmos_mcs,kosmos_mcs_rows,kosmos_mcs_swiglu,gather_swiglu,swiglu_gathered"
     gen = torch.Generator().manual_seed(0)
     rows = []
     for layer in args.layers.split(","):

@@ -76,8 +76,7 @@ def compile_sm90(fn, constexprs: dict, pointers: dict, descriptors: Optional[dic
 
 def compile_sm90_gluon(fn, constexprs: dict, pointers: dict, descriptors: dict, num_warps: int = 4):
     """compile_sm90 for a Gluon kernel: descriptors name -> (dtype, block shape), each with the default
-    NVMMASharedLayout of its block (what the host launchers build), or (dtype, block shape, layout block): the
-    default layout of that other block (a row descriptor carrying its tile's swizzle)."""
+    NVMMASharedLayout of its block (what the host launchers build)."""
     import torch
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -86,8 +85,8 @@ def compile_sm90_gluon(fn, constexprs: dict, pointers: dict, descriptors: dict, 
 
     el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
-    def descriptor_type(dtype, block, layout_block=None):
-        layout = gl.NVMMASharedLayout.get_default_for(list(layout_block or block), el[dtype])
+    def descriptor_type(dtype, block):
+        layout = gl.NVMMASharedLayout.get_default_for(list(block), el[dtype])
         return mangle_type(TensorDescriptor.from_tensor(torch.empty(256, 256, dtype=dtype), list(block), layout))
 
     return _compile(_source(GluonASTSource, fn, constexprs, pointers, descriptors, descriptor_type),

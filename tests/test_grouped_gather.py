@@ -1,11 +1,10 @@
 """The grouped GEMM's SwiGLU up projection with its rows gathered inside the launch (grouped_ws_kernel with GATHER,
-launch_grouped_mm_swiglu's rows, the op's KOSMOS_GROUPED_GATHER=1 / tma).
+launch_grouped_mm_swiglu's rows, the op's KOSMOS_GROUPED_GATHER=1).
 
 On the CPU: the GATHER builds for sm_90 (no spills, no ptxas advisory, within shared memory; A by cp.async with zero
-fill, B by TMA, the proxy fence before the MMAs read the rows), the TMA-row builds (one box a row from two one-warp
-producers), the launcher's arguments and refusals (launch caught), the op's opt-in and its records, and the reference
-experts' wiring (rows.token with the pad rows' sentinel gives the bits of rows.gather). On an sm_90 GPU: the bits of
-the launch on the gathered copy, both ways.
+fill, B by TMA, the proxy fence before the MMAs read the rows), the launcher's arguments and refusals (launch
+caught), the op's opt-in and its records, and the reference experts' wiring (rows.token with the pad rows' sentinel
+gives the bits of rows.gather). On an sm_90 GPU: the bits of the launch on the gathered copy.
 """
 from __future__ import annotations
 
@@ -39,35 +38,6 @@ def test_gathered_builds_for_sm90(config, m_fastest, claim):
     assert "fence.proxy.async.shared::cta" in ptx and "cp.async.wait_group" in ptx
     # (the producer's warps move to their budget from the launch's or from the idle workers')
     assert re.search(rf"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+{gemm_ws_host.GATHER_PRODUCER_REGS};", ptx)
-
-
-def _tma_rows_or_skip():
-    """gemm_ws_host where this triton builds the TMA row copies, else a skip with the reason."""
-    gemm_ws_host = _gluon_or_skip()
-    missing = gemm_ws_host.tma_rows_missing()
-    if missing:
-        pytest.skip(missing)
-    return gemm_ws_host
-
-
-@needs_ptxas
-@pytest.mark.parametrize("m_fastest,claim", SCHEDULES, ids=lambda v: str(v))
-def test_tma_row_builds_for_sm90(m_fastest, claim):
-    """GATHER == 2 builds (the split config): no advisory, within shared memory; in the producers' row loops eight
-    one-row TMA copies each (a stage's 64 rows a producer, eight a loop step) beside B's two halves, and no cp.async;
-    both producers at their register budget. What ptxas spills (at most 32 bytes a thread) are arguments the
-    partitions take at the kernel's start, not values of the K loops."""
-    gemm_ws_host = _tma_rows_or_skip()
-    k = _build("128x256s", m_fastest, claim, swiglu=True, gather="tma")
-    rep = ptxas_report(k.asm["ptx"])
-    assert not rep["advisories"], "\n".join(rep["advisories"])
-    assert rep["spill_stores"] <= 32, rep["text"]
-    assert k.metadata.shared <= 227 * 1024
-    ptx = k.asm["ptx"]
-    assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::(?:cluster|cta)\.global", ptx)) == 8 + 8 + 2
-    assert "cp.async.cg." not in ptx
-    regs = gemm_ws_host.GATHER_CONSTEXPRS["tma"]["PRODUCER_REGS"]
-    assert re.search(rf"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+{regs};", ptx)
 
 
 def _gather_operands(S=300, T=40):
@@ -104,32 +74,6 @@ def test_gathered_launch_arguments(monkeypatch, config, claim):
     assert seen["kwargs"]["GATHER"] is False and seen["kwargs"]["PRODUCER_REGS"] == 40
 
 
-@pytest.mark.parametrize("claim", [False, True])
-def test_tma_row_launch_arguments(monkeypatch, claim):
-    """gather="tma": GATHER 2 with its producers' registers; a_desc over the source rows with block [1, 64] in the
-    swizzle of a consumer's [64, 64] stage; the rows as int32, indices outside [-1, T] clamped to -1 / T (out of int32
-    they must not wrap onto a row)."""
-    gemm_ws_host = _tma_rows_or_skip()
-    from triton.experimental.gluon import language as gl
-
-    from kosmos.kernels import grouped_ws
-
-    names = grouped_ws.grouped_ws_kernel.arg_names
-    seen = _catch(monkeypatch)
-    src, rows, b, ends = _gather_operands()
-    rows[5], rows[6] = 2 ** 32 + 3, -2 ** 40
-    gemm_ws_host.launch_grouped_mm_swiglu(src, b, ends, m_fastest=True, claim=claim, config="128x256s", programs=5,
-                                          rows=rows, gather="tma")
-    kwargs = dict(seen["kwargs"])
-    assert kwargs["GATHER"] == 2 and kwargs["PRODUCER_REGS"] == gemm_ws_host.GATHER_CONSTEXPRS["tma"]["PRODUCER_REGS"]
-    args = dict(zip(names, seen["args"]))
-    assert list(args["a_desc"].block_shape) == [1, 64] and list(args["a_desc"].shape) == [40, 128]
-    assert args["a_desc"].layout == gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
-    idx = args["idx_ptr"]
-    assert idx.dtype == torch.int32 and (int(idx[5]), int(idx[6])) == (40, -1)
-    assert torch.equal(idx[7:].long(), rows[7:]) and args["S"] == 300 and args["T_src"] == 40
-
-
 def test_gathered_launch_refusals(monkeypatch):
     gemm_ws_host = _gluon_or_skip()
     seen = _catch(monkeypatch)
@@ -142,15 +86,6 @@ def test_gathered_launch_refusals(monkeypatch):
     with pytest.raises(ValueError, match="multiple of 64"):
         launch(wide[:, :120], b, ends, programs=5, rows=rows)
     assert gemm_ws_host.gather_unsupported(wide[:, :128], rows) is None  # 16-byte aligned rows of 128
-    with pytest.raises(ValueError, match="split consumers"):
-        launch(src, b, ends, programs=5, rows=rows, gather="tma", config="128x256")
-    with pytest.raises(ValueError, match="gather 'ldgsts'"):
-        launch(src, b, ends, programs=5, rows=rows, gather="ldgsts", config="128x256s")
-    import triton
-
-    monkeypatch.setattr(triton, "__version__", "3.7.1")
-    with pytest.raises(ValueError, match="triton 3.6 only, not 3.7.1"):
-        launch(src, b, ends, programs=5, rows=rows, gather="tma", config="128x256s")
     assert not seen
 
 
@@ -183,16 +118,11 @@ def test_op_gathers_only_when_asked(monkeypatch):
     assert kw["rows"].shape == (16384 * 8 + 128,) and kw["config"] == "128x256s" and kw["claim"] is True
     assert call(16384, 128, 768, 2048) is None  # Qwen3-30B-A3B: torch's grouped kernel
     assert call(4096, 256, 1600, 7168) is None  # I % 128 != 0
-    monkeypatch.setenv(moe_ops.GATHER_ENV, "tma")
-    monkeypatch.setattr(gemm_ws_host, "tma_rows_missing", lambda: None)  # as on triton 3.6
-    assert call(16384, 128, 1536, 4096) == ("h", "act")
-    assert launched[-1]["gather"] == "tma" and launched[0]["gather"] == "cp.async"
     monkeypatch.setenv(moe_ops.GATHER_ENV, "on")
-    with pytest.raises(ValueError, match="expected 0, 1 or tma"):
+    with pytest.raises(ValueError, match="expected 0 or 1"):
         call(16384, 128, 1536, 4096)
-    assert len(launched) == 2 and set(kosmos.report().runtime) == {
+    assert len(launched) == 1 and set(kosmos.report().runtime) == {
         ("grouped_mm_swiglu", "kosmos grouped_ws m-fastest claimed 128x256s swiglu gathered", "supported"),
-        ("grouped_mm_swiglu", "kosmos grouped_ws m-fastest claimed 128x256s swiglu gathered by TMA", "supported"),
         ("grouped_mm_gather", "moe_gather_rows, then the up projection", "the up projection runs torch._grouped_mm"),
         ("grouped_mm_gather", "moe_gather_rows, then the up projection",
          "N = 3200 is not 2I with I a multiple of 128 (a tile's column block of gate and of up)")}
@@ -265,13 +195,13 @@ def _gpu_gather_operands(T, H, I, E, rows_total, seed, dtype=torch.bfloat16):
     return src, rows, w.transpose(1, 2), ends, int(ends[-1])
 
 
-def _check_gathered_bits(src, rows, b, ends, n, gather="cp.async", **kw):
+def _check_gathered_bits(src, rows, b, ends, n, **kw):
     """h and act of the gathered launch against the launch on moe_rows.gather_rows' copy (what the op runs without
     the gather in the launch), over the grouped rows."""
     from kosmos.kernels import gemm_ws_host, moe_rows
 
     h_ref, act_ref = gemm_ws_host.launch_grouped_mm_swiglu(moe_rows.gather_rows(src, rows), b, ends, **kw)
-    h, act = gemm_ws_host.launch_grouped_mm_swiglu(src, b, ends, rows=rows, gather=gather, **kw)
+    h, act = gemm_ws_host.launch_grouped_mm_swiglu(src, b, ends, rows=rows, **kw)
     assert torch.equal(h[:n], h_ref[:n]), (h[:n] != h_ref[:n]).nonzero()[:8].tolist()
     assert torch.equal(act[:n], act_ref[:n]), (act[:n] != act_ref[:n]).nonzero()[:8].tolist()
 
@@ -302,24 +232,9 @@ def test_gpu_gathered_short_groups_grids_and_act_dtypes(config):
 
 @pytest.mark.gpu
 @sm90_only
-@pytest.mark.parametrize("m_fastest,claim", SCHEDULES, ids=lambda v: str(v))
-@pytest.mark.parametrize("T,H,I,E,rows", [(2500, 4096, 1536, 128, 20000), (1000, 7168, 2048, 32, 8000)],
-                         ids=["qwen3", "deepseek"])
-def test_gpu_tma_rows_give_the_gathered_copy_bits(T, H, I, E, rows, m_fastest, claim):
-    """gather="tma" at Qwen3-235B's and DeepSeek-V3's expert dims (ragged groups, pad rows of -1 and T, trailing
-    rows): the bits of the launch on the gathered copy; then few source rows, tiles past the last row, few
-    programs and act in fp32."""
-    _check_gathered_bits(*_gpu_gather_operands(T, H, I, E, rows, seed=E), gather="tma", m_fastest=m_fastest,
-                         claim=claim, config="128x256s")
-    _check_gathered_bits(*_gpu_gather_operands(37, 320, 256, 12, 700, seed=4), gather="tma", programs=3,
-                         m_fastest=m_fastest, claim=claim, config="128x256s", act_dtype=torch.float32)
-
-
-@pytest.mark.gpu
-@sm90_only
 def test_gpu_reference_experts_gathered(monkeypatch):
-    """The reference experts at Qwen3-235B's expert dims with KOSMOS_GROUPED_GATHER=1 and =tma: the bits of the
-    default (rows gathered by moe_gather_rows), and the report names the gathered launch."""
+    """The reference experts at Qwen3-235B's expert dims with KOSMOS_GROUPED_GATHER=1: the bits of the default
+    (rows gathered by moe_gather_rows), and the report names the gathered launch."""
     import kosmos
     from kosmos.ops import moe_math
 
@@ -332,9 +247,8 @@ def test_gpu_reference_experts_gathered(monkeypatch):
     down = (torch.randn(E, H, I, device="cuda", generator=g) / I ** 0.5).bfloat16()
     monkeypatch.setenv("KOSMOS_GROUPED_MM", "kosmos_mc")
     want = moe_math.experts(hidden, ids, weights, gate_up, down, return_up=True)
-    for mode, suffix in (("1", "swiglu gathered"), ("tma", "swiglu gathered by TMA")):
-        monkeypatch.setenv("KOSMOS_GROUPED_GATHER", mode)
-        kosmos.reset_report()
-        got = moe_math.experts(hidden, ids, weights, gate_up, down, return_up=True)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-        assert any(impl.endswith(suffix) for _, impl, _ in kosmos.report().runtime), kosmos.report().runtime
+    monkeypatch.setenv("KOSMOS_GROUPED_GATHER", "1")
+    kosmos.reset_report()
+    got = moe_math.experts(hidden, ids, weights, gate_up, down, return_up=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert any(impl.endswith("swiglu gathered") for _, impl, _ in kosmos.report().runtime), kosmos.report().runtime

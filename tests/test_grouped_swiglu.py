@@ -32,25 +32,23 @@ def _gluon_or_skip():
 
 
 def _build(config: str, m_fastest: bool, claim: bool, b_trans: bool = True, swiglu: bool = False,
-           act: str = "bf16", gather=False):
+           act: str = "bf16", gather: bool = False):
     """grouped_ws_kernel for sm_90 with the constexprs and descriptor blocks its launchers give it (act_ptr: the
-    plain launcher's C, or the act tensor; gather: launch_grouped_mm_swiglu's rows given, True or "tma" for its
-    gather= "tma": A through a row descriptor)."""
+    plain launcher's C, or the act tensor; gather: launch_grouped_mm_swiglu's rows given)."""
     from kosmos.kernels import gemm_ws_host, grouped_ws
 
     bm, bn, bk = gemm_ws_host.GROUPED_BLOCK
     cfg = {**gemm_ws_host.GROUPED_CONFIGS[config], "SWIGLU": swiglu}
     if gather:
-        cfg.update(gemm_ws_host.GATHER_CONSTEXPRS["tma" if gather == "tma" else "cp.async"])
+        cfg.update(GATHER=True, PRODUCER_REGS=gemm_ws_host.GATHER_PRODUCER_REGS)
     rows = bm // cfg["NUM_CONSUMERS"]
-    a_block = (torch.bfloat16, (1, bk), (rows, bk)) if gather == "tma" else (torch.bfloat16, (rows, bk))
     cols = bn // 2 if swiglu else bn
     return compile_sm90_gluon(grouped_ws.grouped_ws_kernel,
                               dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=3, B_TRANS=b_trans,
                                    M_FASTEST=m_fastest, CLAIM=claim, **cfg),
                               dict(c_ptr="bf16", ends_ptr="i32", claim_ptr="i32", act_ptr=act, src_ptr="bf16",
-                                   idx_ptr="i32" if gather == "tma" else "i64"),
-                              dict(a_desc=a_block,
+                                   idx_ptr="i64"),
+                              dict(a_desc=(torch.bfloat16, (rows, bk)),
                                    b_desc=(torch.bfloat16, (cols, bk) if b_trans else (bk, cols)),
                                    c_desc=(torch.bfloat16, (rows, cols))),
                               num_warps=cfg["CONSUMER_WARPS"])

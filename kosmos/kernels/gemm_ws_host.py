@@ -31,14 +31,14 @@ def gluon_missing() -> Optional[str]:
     return None
 
 
-def _descriptor(t: torch.Tensor, shape, lead: int, block, layout_block=None):
-    """A host TMA descriptor over t as [shape] with row stride lead, block `block`, the default NVMMA layout of
-    layout_block (default the block: what the Gluon kernels allocate their shared memory with)."""
+def _descriptor(t: torch.Tensor, shape, lead: int, block):
+    """A host TMA descriptor over t as [shape] with row stride lead, block `block`, the block's default NVMMA
+    layout (what the Gluon kernels allocate their shared memory with)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     el = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    return TensorDescriptor(t, shape, [lead, 1], block, gl.NVMMASharedLayout.get_default_for(layout_block or block, el))
+    return TensorDescriptor(t, shape, [lead, 1], block, gl.NVMMASharedLayout.get_default_for(block, el))
 
 
 def cannot_run_here(a: torch.Tensor) -> Optional[str]:
@@ -221,22 +221,20 @@ SWIGLU_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, *, m_fastest: bool = False,
                              claim: bool = False, config: str = "128x256", act_dtype: Optional[torch.dtype] = None,
-                             programs: Optional[int] = None, rows: Optional[torch.Tensor] = None,
-                             gather: str = "cp.async"):
+                             programs: Optional[int] = None, rows: Optional[torch.Tensor] = None):
     """(h [S, 2I], act [S, I]) in one launch, for operands swiglu_unsupported has already accepted: h is
     launch_grouped_mm(a, b, ends)'s [gate | up] (the same bits) and act = silu(gate) * up in act_dtype (default
     a's), rounded as moe_rows.swiglu_rows(h, act_dtype) rounds it; rows past ends[-1] are left unwritten in both.
     m_fastest / claim / config / programs: as launch_grouped_mm's. rows (int64 [S], contiguous): A is gathered in
     the launch, its row r being a[rows[r]], a zero row where rows[r] is not a row of a (as in
     moe_rows.gather_rows; the MoE pad rows carry a.shape[0]): the bits of the call on that gathered copy, which is
-    never written (gather_unsupported says what it needs); gather: how the producers copy them, GATHER_CONSTEXPRS'
-    "cp.async" or "tma" (a split config only). Raises ValueError for ends, act_dtype, rows, gather, or a B whose shape
-    or layout the epilogue cannot take."""
+    never written (gather_unsupported says what it needs). Raises ValueError for ends, act_dtype, rows, or a B
+    whose shape or layout the epilogue cannot take."""
     S, K = a.shape if rows is None else (rows.shape[0], a.shape[1])
     E, _, N = b.shape
     BM, BN, BK = GROUPED_BLOCK
     _check_ends(ends, E, a, "grouped_mm_swiglu")
-    reason = None if rows is None else gather_unsupported(a, rows, gather, config)
+    reason = None if rows is None else gather_unsupported(a, rows)
     if reason is not None:
         raise ValueError(f"kosmos grouped_mm_swiglu: {reason}")
     if N % BN:
@@ -253,17 +251,12 @@ def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
         return h, act
     cfg = {**GROUPED_CONFIGS[config], "SWIGLU": True}
     if rows is not None:
-        cfg.update(GATHER_CONSTEXPRS[gather])
-    by_tma = cfg["GATHER"] == 2
+        cfg.update(GATHER=True, PRODUCER_REGS=GATHER_PRODUCER_REGS)
     tile_rows = BM // cfg["NUM_CONSUMERS"]  # a consumer's rows of a tile
-    # (gathered by cp.async, a_desc only gives the kernel A's dtype and shared layout; by TMA it copies one row of
-    # src, in the swizzle of a consumer's stage)
-    a_desc = _descriptor(a, [a.shape[0], K], a.stride(0), [1, BK] if by_tma else [tile_rows, BK],
-                         layout_block=[tile_rows, BK])
+    # (gathered, a_desc only gives the kernel A's dtype and shared layout)
+    a_desc = _descriptor(a, [a.shape[0], K], a.stride(0), [tile_rows, BK])
     b_desc = _descriptor(b, [E * N, K], K, [BN // 2, BK])  # a gate or an up block: half a stage
     c_desc = _descriptor(h, [S, N], N, [tile_rows, BN // 2])
-    if by_tma:  # int32 coordinates; indices out of int32 range must not wrap into it
-        rows = rows.clamp(-1, a.shape[0]).to(torch.int32)
     _launch_grouped(a_desc, b_desc, c_desc, h, N, ends, E, N, K, act, True, m_fastest, claim, cfg, programs,
                     a.device, None if rows is None else (a, rows))
     return h, act
@@ -272,38 +265,12 @@ def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
 # The gathering producer's registers: its four warps' cp.async addressing spills at 40 (sm_90 build on the CPU,
 # forty-fourth session), not at 56; the first consumer still gets 216 then (the kernel is built for 168).
 GATHER_PRODUCER_REGS = 56
-# launch_grouped_mm_swiglu's gather= ways: the constexprs each adds. "tma": two one-warp producers copy a stage's rows
-# one TMA box [1, BLOCK_K] each (grouped_ws_gather._tma_rows_lead / _tma_rows_follower; the split configs only).
-GATHER_CONSTEXPRS = {"cp.async": dict(GATHER=True, PRODUCER_REGS=GATHER_PRODUCER_REGS),
-                     "tma": dict(GATHER=2, PRODUCER_REGS=40)}
 
 
-def tma_rows_missing() -> Optional[str]:
-    """None where this triton builds the TMA row copies (3.6), else why not. A row's copy lands through an 8-row view
-    of the swizzled stage; triton 3.7 on require a copy's box to fill its destination, and lower no swizzled
-    one-row destination ("Illegal shared layout"), so there is no way to write it (checked on 3.7.1, 3.8.0, 3.9.0)."""
-    import triton
-
-    version = tuple(int(p) for p in triton.__version__.split(".")[:2])
-    return None if version == (3, 6) else f"TMA row copies build on triton 3.6 only, not {triton.__version__}"
-
-
-def gather_unsupported(src: torch.Tensor, rows: torch.Tensor, gather: str = "cp.async",
-                       config: str = "128x256s") -> Optional[str]:
-    """Why launch_grouped_mm_swiglu cannot gather A's rows from src by rows the `gather` way in `config`, or None:
-    rows a contiguous int64 [S] on src's device; src row-major, its rows a multiple of the K block long (the
-    gathered copies have no column mask) and 16-byte aligned (each thread copies 16 bytes; TMA's rule too, which
-    also wants src's start 16-byte aligned); "tma" in a split config only, on triton 3.6 (tma_rows_missing)."""
-    if gather not in GATHER_CONSTEXPRS:
-        return f"gather {gather!r} (one of {sorted(GATHER_CONSTEXPRS)})"
-    if gather == "tma":
-        if GROUPED_CONFIGS[config]["NUM_CONSUMERS"] != 2:
-            return f"TMA row copies need the split consumers (config 128x256s), not {config}"
-        missing = tma_rows_missing()
-        if missing:
-            return missing
-        if src.data_ptr() % 16:
-            return "TMA row copies need src 16-byte aligned"
+def gather_unsupported(src: torch.Tensor, rows: torch.Tensor) -> Optional[str]:
+    """Why launch_grouped_mm_swiglu cannot gather A's rows from src by rows, or None: rows a contiguous int64 [S] on
+    src's device; src row-major, its rows a multiple of the K block long (the gathered copies have no column mask)
+    and 16-byte aligned (each thread copies 16 bytes)."""
     if rows.dtype != torch.int64 or rows.dim() != 1 or not rows.is_contiguous() or rows.device != src.device:
         return (f"gather rows must be a contiguous int64 [S] on {src.device}, not {rows.dtype} {tuple(rows.shape)} "
                 f"on {rows.device}")

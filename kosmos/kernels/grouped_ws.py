@@ -41,10 +41,10 @@ halves of each B stage, so one tile holds both factors of act[:, block j]. The e
 places in h = [gate | up] (the backward reads them) and act = silu(gate) * up [S, I], computed from the rounded h
 tile in shared memory with moe_rows.swiglu_rows' roundings. Needs I a multiple of BLOCK_N / 2.
 
-GATHER (SWIGLU builds; the op's KOSMOS_GROUPED_GATHER): the up projection reads its rows straight from the hidden
-states by the sorted pairs' token index, so the gathered copy is never made; its producers are in
-grouped_ws_gather.py (cp.async, or one TMA copy a row), with their figures. The tile schedule that every producer
-and consumer walks (group cursor, tile order, claims) is grouped_ws_tiles.py.
+GATHER (SWIGLU builds; the op's KOSMOS_GROUPED_GATHER=1): the up projection reads its rows straight from the hidden
+states by the sorted pairs' token index, so the gathered copy is never made; its producer is in grouped_ws_gather.py,
+with its figures. The tile schedule that every producer and consumer walks (group cursor, tile order, claims) is
+grouped_ws_tiles.py.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from kosmos.kernels.gemm_ws import (_load_k_range, _load_split_k_range, _mma_k_range, _store_tile, _tma_load,
                                     _tma_store)
-from kosmos.kernels.grouped_ws_gather import _gathered_producer, _tma_rows_follower, _tma_rows_lead
+from kosmos.kernels.grouped_ws_gather import _gathered_producer
 from kosmos.kernels.grouped_ws_tiles import (_first_cursor, _load_swiglu_b_block, _next_group, _producer_first_tile,
                                              _producer_next_tile, _publish, _start_cursor, _tile_offsets)
 
@@ -287,41 +287,6 @@ def _warp_specialize_gathered(a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b
 
 
 @gluon.jit
-def _warp_specialize_tma_rows(a_desc, a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b_desc, c_desc, c_ptr, ldc,
-                              ends_ptr, claim_ptr, E, N, K, act_ptr, idx_ptr, T_src, S, BLOCK_M: gl.constexpr,
-                              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                              B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                              CONSUMER_WARPS: gl.constexpr, CLAIM: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                              SWIGLU: gl.constexpr):
-    """grouped_ws_kernel's partitions with GATHER == 2: the two consumers, and the row producers _tma_rows_lead /
-    _tma_rows_follower (a_desc: the row descriptor), one warp each, with the ring the lead hands tiles over in."""
-    ROWS: gl.constexpr = BLOCK_M // 2
-    gl.static_assert(SWIGLU, "GATHER == 2: the split SWIGLU builds only")
-    handoff = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    tile_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(tile_full.index(i), count=1)
-        mbarrier.init(tile_empty.index(i), count=1)
-    gl.warp_specialize([
-        (_grouped_consumer, (a_bufs[0], b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(0), c_ptr,
-                             ldc, act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             B_TRANS, M_FASTEST, CLAIM, 0, ROWS, SWIGLU)),
-        (_grouped_consumer, (a_bufs[1], b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(1), c_ptr,
-                             ldc, act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                             B_TRANS, M_FASTEST, CLAIM, ROWS, ROWS, SWIGLU)),
-        (_tma_rows_lead, (a_desc, idx_ptr, T_src, S, b_desc, a_bufs, b_bufs, ready, empty, ids, handoff,
-                          tile_full, tile_empty, claim_ptr, ends_ptr, E, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-                          M_FASTEST, CLAIM)),
-        (_tma_rows_follower, (a_desc, idx_ptr, T_src, S, a_bufs, ready, empty, handoff, tile_full, tile_empty,
-                              ends_ptr, E, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, M_FASTEST)),
-    ], [CONSUMER_WARPS, 1, 1], [CONSUMER_REGS, PRODUCER_REGS, PRODUCER_REGS])
-    for i in gl.static_range(2):
-        mbarrier.invalidate(tile_full.index(i))
-        mbarrier.invalidate(tile_empty.index(i))
-
-
-@gluon.jit
 def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E, N, K, act_ptr, src_ptr, idx_ptr,
                       T_src, S, ld8,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
@@ -350,9 +315,7 @@ def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E
     GATHER: A's row r is src[idx[r]]: src_ptr [T_src, K] with a row stride of 8 * ld8 elements, in a_desc's dtype
     (a_desc only gives the rows' dtype and shared layout then); idx_ptr int64 [S]; a zero row where r >= S or idx[r]
     is not in [0, T_src). A four-warp producer loads them with cp.async (_gathered_producer), so the gathered rows
-    are never written out. Without it src_ptr / idx_ptr / T_src / S / ld8 are unused. GATHER == 2 (NUM_CONSUMERS 2):
-    by TMA instead, a_desc then a descriptor over src with block [1, BLOCK_K] in a consumer stage's layout and idx_ptr
-    int32: _tma_rows_lead and _tma_rows_follower, one warp each, copy a consumer's rows of each stage."""
+    are never written out. Without it src_ptr / idx_ptr / T_src / S / ld8 are unused."""
     dtype: gl.constexpr = a_desc.dtype
     ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
     if NUM_CONSUMERS == 1:
@@ -377,13 +340,7 @@ def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E
             mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
     # (the argument tuples stay literal: a tuple assigned to a name turns its constexprs into tensors)
-    if GATHER == 2:
-        gl.static_assert(NUM_CONSUMERS == 2, "GATHER == 2: the split consumers only")
-        _warp_specialize_tma_rows(a_desc, a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b_desc, c_desc, c_ptr, ldc,
-                                  ends_ptr, claim_ptr, E, N, K, act_ptr, idx_ptr, T_src, S, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  STAGES, B_TRANS, M_FASTEST, PRODUCER_REGS, CONSUMER_WARPS, CLAIM, CONSUMER_REGS,
-                                  SWIGLU)
-    elif GATHER:
+    if GATHER:
         _warp_specialize_gathered(a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b_desc, c_desc, c_ptr, ldc,
                                   ends_ptr, claim_ptr, E, N, K, act_ptr, src_ptr, idx_ptr, T_src, S, ld8, BLOCK_M,
                                   BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, PRODUCER_REGS, CONSUMER_WARPS, CLAIM,

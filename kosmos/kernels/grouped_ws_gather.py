@@ -2,18 +2,16 @@
 inside the launch (the MoE forward's up projection reads the hidden states by the sorted pairs' token index), so the
 gathered [S, H] copy is never written.
 
-GATHER = 1 (KOSMOS_GROUPED_GATHER=1): a four-warp producer copies the rows with cp.async (zero rows for the pad
-rows); what it saves is moe_rows.gather_rows' pass (0.348 ms of Qwen3-235B's T = 16384 forward, 0.608 of
-DeepSeek-V3's, fortieth session). The same bits on the H200, but slower (forty-fourth session, T = 16384, up GEMM
-alone): 5.956 ms against 5.757 for the gather kernel then the GEMM on the copy (Qwen3-235B), 14.670 against 13.689
-(DeepSeek-V3); the cp.async rows cost the GEMM more than the gather. So it is opt-in.
+A four-warp producer copies the rows with cp.async (zero rows for the pad rows); what it saves is
+moe_rows.gather_rows' pass (0.348 ms of Qwen3-235B's T = 16384 forward, 0.608 of DeepSeek-V3's, fortieth session).
+The same bits on the H200, but slower (forty-fourth session, T = 16384, up GEMM alone): 5.956 ms against 5.757 for
+the gather kernel then the GEMM on the copy (Qwen3-235B), 14.670 against 13.689 (DeepSeek-V3); the cp.async rows cost
+the GEMM more than the gather. So it is opt-in (KOSMOS_GROUPED_GATHER=1).
 
-GATHER = 2 (KOSMOS_GROUPED_GATHER=tma, the split consumers): one TMA copy of box [1, BLOCK_K] a row, issued by two
-one-warp producers (a stage's 128 rows are 128 copies, each from one elected thread; the K step of a 128 x 256 tile
-is ~1000 cycles). Triton refuses a one-row slice of a 128-byte-swizzled stage, so each copy goes through an 8-row
-view reinterpreted from a flat one at the row; it is right only if TMA swizzles by the shared-memory address,
-which benchmarks/tma_row_gather.py checks on the GPU. Triton 3.6 only (gemm_ws_host.tma_rows_missing: later
-releases refuse a box smaller than its destination). Built for sm_90 on the CPU; not yet run on a GPU.
+One TMA copy of box [1, BLOCK_K] a row instead (two one-warp producers, each row through an 8-row view of the
+swizzled stage) gave the right bits but ran the up GEMM at 239 TF/s instead of 633 (Qwen3-235B): an SM issues a
+stage's 128 one-row copies in 1.4 us at best, against 0.19 us for one tile copy and ~0.85 us of GEMM per stage
+(forty-eighth session, RESULTS.md; the code is in 2a21858's tree). Hopper's TMA has no multi-row gather.
 """
 from __future__ import annotations
 
@@ -21,9 +19,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
 
-from kosmos.kernels.gemm_ws import _cta_barrier, _tma_load
-from kosmos.kernels.grouped_ws_tiles import (_first_cursor, _load_swiglu_b_block, _next_group, _producer_first_tile,
-                                             _producer_next_tile, _publish, _tile_offsets)
+from kosmos.kernels.gemm_ws import _cta_barrier
+from kosmos.kernels.grouped_ws_tiles import (_load_swiglu_b_block, _producer_first_tile, _producer_next_tile, _publish,
+                                             _tile_offsets)
 
 # cp.async: async_copy_global_to_shared on triton 3.6 and 3.7, async_load from 3.8 (3.9 removed the old name); the same
 # arguments
@@ -110,124 +108,3 @@ def _gathered_producer(src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, 
     if CLAIM:
         _publish(ids, empty, it, -1, STAGES, WARPS)
         mbarrier.arrive(ready.index(it % STAGES), count=2)
-
-
-@gluon.jit
-def _row_copies(row_desc, idx_ptr, rows_view, ready, s, row0, S, T_src, ki, ROWS: gl.constexpr,
-                BLOCK_K: gl.constexpr):
-    """K block ki of A's rows [row0, row0 + ROWS) into stage s of a consumer's ring (GATHER == 2): one TMA copy of
-    box [1, BLOCK_K] from src row idx[r] each. rows_view: the ring as one unswizzled row per index (Triton refuses a
-    one-row slice of a swizzled buffer); the copy goes through an 8-row swizzled view starting at the row, whose
-    box fills that row only, and TMA swizzles by the shared-memory address, so the row lands where a whole-tile copy
-    puts it. Rows past S and indices that are not a row of src get row T_src, which TMA fills with zeros. Eight rows
-    a loop step, their indices in one load held whole by every thread (so picking one is a register, not a
-    shuffle); the loop keeps the compiler from holding every row's index across the K loop (fully unrolled, the
-    producer spilled 2 KB a thread), and one load for eight keeps the copies from waiting on a load each."""
-    by_thread: gl.constexpr = gl.BlockedLayout([8], [32], [1], [0])
-    lane = gl.arange(0, 8, layout=by_thread)
-    for r8 in range(0, ROWS, 8):
-        row = row0 + r8 + lane
-        tok = gl.load(idx_ptr + gl.minimum(row, S - 1))
-        tok = gl.where((row < S) & (tok >= 0) & (tok < T_src), tok, T_src).to(gl.int32)
-        for r in gl.static_range(8):
-            dst = rows_view.index(s * ROWS + r8 + r)._reinterpret(row_desc.dtype, [8, BLOCK_K], row_desc.layout)
-            _tma_load(row_desc, [gl.sum(gl.where(lane == r, tok, 0), axis=0), ki * BLOCK_K], ready.index(s), dst)
-
-
-@gluon.jit
-def _rows_view(a_ring, STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_K: gl.constexpr):
-    """A consumer's A ring as STAGES * ROWS rows that can be indexed (_row_copies)."""
-    return a_ring._reinterpret(a_ring.dtype, [STAGES * ROWS, 1, BLOCK_K], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-
-
-@gluon.jit
-def _hand_off(handoff, tile_full, tile_empty, j, t):
-    """The lead row producer passes its j-th tile t (a claim) to the other one through a two-slot ring."""
-    q = j % 2
-    mbarrier.wait(tile_empty.index(q), ((j // 2) & 1) ^ 1)
-    handoff.index(q).store(gl.full([1], t, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0])))
-    mbarrier.arrive(tile_full.index(q))
-
-
-@gluon.jit
-def _take_tile(handoff, tile_full, tile_empty, j):
-    """The j-th tile the lead row producer handed off."""
-    q = j % 2
-    mbarrier.wait(tile_full.index(q), (j // 2) & 1)
-    t = gl.max(handoff.index(q).load(gl.BlockedLayout([1], [32], [1], [0])), axis=0)
-    mbarrier.arrive(tile_empty.index(q))
-    return t
-
-
-@gluon.jit
-def _row_stage(row_desc, idx_ptr, rows_view, ready, empty, it, off_m, end, S, T_src, ki, extra_bytes: gl.constexpr,
-               ROWS: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
-    """Claims stage `it` (waits for its release), expects its rows' bytes plus extra_bytes (the lead's B block) and
-    copies the rows [off_m, off_m + ROWS) of K block ki, none where they are all past the group's end (the consumer
-    then releases the stage unread); returns the stage."""
-    s = it % STAGES
-    mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-    row_bytes: gl.constexpr = ROWS * BLOCK_K * row_desc.dtype.primitive_bitwidth // 8
-    if off_m < end:
-        mbarrier.expect(ready.index(s), row_bytes + extra_bytes)
-        _row_copies(row_desc, idx_ptr, rows_view, ready, s, off_m, S, T_src, ki, ROWS, BLOCK_K)
-    else:
-        mbarrier.expect(ready.index(s), extra_bytes)
-    return s
-
-
-@gluon.jit
-def _tma_rows_lead(row_desc, idx_ptr, T_src, S, b_desc, a_bufs, b_bufs, ready, empty, ids, handoff, tile_full,
-                   tile_empty, claim_ptr, ends_ptr, E, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr, M_FASTEST: gl.constexpr, CLAIM: gl.constexpr):
-    """GATHER == 2's first producer (one warp): takes the tiles (CLAIM: claims them and publishes their ids to the
-    consumers), hands each to _tma_rows_follower, loads B's gate / up blocks and the first consumer's rows."""
-    ROWS: gl.constexpr = BLOCK_M // 2
-    HALF: gl.constexpr = BLOCK_N // 2
-    b_bytes: gl.constexpr = BLOCK_N * BLOCK_K * b_desc.dtype.primitive_bitwidth // 8
-    rows_view = _rows_view(a_bufs[0], STAGES, ROWS, BLOCK_K)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    t, e, start, end, tile0, it = _producer_first_tile(claim_ptr, ends_ptr, E, num_pid_n, BLOCK_M, CLAIM)
-    j = it
-    _hand_off(handoff, tile_full, tile_empty, j, t)
-    while e < E:
-        off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
-        off_g = off_n // BLOCK_N * HALF
-        if CLAIM:
-            _publish(ids, empty, it, t, STAGES, 1)
-        for ki in range(0, k_tiles):
-            s = _row_stage(row_desc, idx_ptr, rows_view, ready, empty, it, off_m, end, S, T_src, ki, b_bytes, ROWS,
-                           BLOCK_K, STAGES)
-            _load_swiglu_b_block(b_desc, b_bufs, ready, s, e * N, off_g, N // BLOCK_N * HALF, ki, BLOCK_K, HALF)
-            it += 1
-        t, e, start, end, tile0 = _producer_next_tile(t, claim_ptr, ends_ptr, E, num_pid_n, e, start, end, tile0,
-                                                      BLOCK_M, CLAIM)
-        j += 1
-        _hand_off(handoff, tile_full, tile_empty, j, t)
-    if CLAIM:
-        _publish(ids, empty, it, -1, STAGES, 1)
-        mbarrier.arrive(ready.index(it % STAGES), count=2)
-
-
-@gluon.jit
-def _tma_rows_follower(row_desc, idx_ptr, T_src, S, a_bufs, ready, empty, handoff, tile_full, tile_empty, ends_ptr,
-                       E, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                       STAGES: gl.constexpr, M_FASTEST: gl.constexpr):
-    """GATHER == 2's second producer (one warp): the second consumer's rows of the tiles _tma_rows_lead hands it."""
-    ROWS: gl.constexpr = BLOCK_M // 2
-    rows_view = _rows_view(a_bufs[1], STAGES, ROWS, BLOCK_K)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    j = gl.program_id(0) * 0
-    t, e, start, end, tile0, it = _first_cursor(_take_tile(handoff, tile_full, tile_empty, j), ends_ptr, E,
-                                                num_pid_n, BLOCK_M)
-    while e < E:
-        off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
-        for ki in range(0, k_tiles):
-            _row_stage(row_desc, idx_ptr, rows_view, ready, empty, it, off_m + ROWS, end, S, T_src, ki, 0, ROWS,
-                       BLOCK_K, STAGES)
-            it += 1
-        j += 1
-        t = _take_tile(handoff, tile_full, tile_empty, j)
-        e, start, end, tile0 = _next_group(ends_ptr, E, t // num_pid_n, e, start, end, tile0, BLOCK_M)

@@ -1,6 +1,6 @@
 """The tile schedule of grouped_ws_kernel (Gluon, sm_90): the cursor over the row groups, a tile's place in its
 group, the tiles a producer takes (its program's, or CLAIM's claims, whose ids it publishes to the consumers), and
-SWIGLU's gate / up B blocks. Shared by grouped_ws.py's producer and consumers and grouped_ws_gather.py's producers,
+SWIGLU's gate / up B blocks. Shared by grouped_ws.py's producer and consumers and grouped_ws_gather.py's producer,
 so that every partition walks the same tiles."""
 from __future__ import annotations
 

@@ -541,28 +541,24 @@ def grouped_rows_mm_swiglu_gathered(src: torch.Tensor, rows: torch.Tensor, b: to
                                     act_dtype: torch.dtype) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """grouped_rows_mm_swiglu of the rows src[rows] (zero rows where rows is not a row of src: the pad rows), gathered
     inside the launch by the grouped GEMM's producer (gemm_ws_host.launch_grouped_mm_swiglu's rows), so the gathered
-    copy is never written; the same bits. Opt-in: KOSMOS_GROUPED_GATHER=1 (cp.async; default 0: slower on the H200,
-    figures in grouped_ws_gather's docstring) or =tma (one TMA copy a row; not yet timed). None where it is off, and
-    where grouped_rows_mm_swiglu would not run its kernel or the gather cannot (recorded): the caller gathers the
-    rows and asks that."""
+    copy is never written; the same bits. Opt-in: KOSMOS_GROUPED_GATHER=1 (default 0: slower on the H200, figures
+    in grouped_ws_gather's docstring). None where it is off, and where grouped_rows_mm_swiglu would not run its
+    kernel or the gather cannot (recorded): the caller gathers the rows and asks that."""
     from kosmos.kernels import gemm_ws_host
 
-    mode = env_choice(GATHER_ENV, ("0", "1", "tma"), "0")
-    if mode == "0":
+    if env_choice(GATHER_ENV, ("0", "1"), "0") == "0":
         return None
-    gather = "tma" if mode == "tma" else "cp.async"
     choice = _grouped_choice(src, b, ends, record=False, rows=rows.shape[0])
     reason = ("the up projection runs torch._grouped_mm" if choice is None else gemm_ws_host.swiglu_unsupported(src, b)
-              or gemm_ws_host.gather_unsupported(src, rows, gather, choice[2])
+              or gemm_ws_host.gather_unsupported(src, rows)
               or (None if act_dtype in gemm_ws_host.SWIGLU_ACT_DTYPES else f"act dtype {act_dtype}"))
     if reason is not None:
         record_run("grouped_mm_gather", "moe_gather_rows, then the up projection", reason)
         return None
-    record_run("grouped_mm_swiglu", _grouped_impl(*choice) + " swiglu gathered" + (" by TMA" if mode == "tma" else ""),
-               "supported")
+    record_run("grouped_mm_swiglu", _grouped_impl(*choice) + " swiglu gathered", "supported")
     m_fastest, claim, config = choice
     return gemm_ws_host.launch_grouped_mm_swiglu(src, b, ends, m_fastest=m_fastest, claim=claim, config=config,
-                                                 act_dtype=act_dtype, rows=rows, gather=gather)
+                                                 act_dtype=act_dtype, rows=rows)
 
 
 def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:

@@ -40,6 +40,24 @@ def test_gathered_builds_for_sm90(config, m_fastest, claim):
     assert re.search(rf"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+{gemm_ws_host.GATHER_PRODUCER_REGS};", ptx)
 
 
+@needs_ptxas
+@pytest.mark.parametrize("config", ["128x256", "128x256s"])
+def test_gathered_prefetch_builds_for_sm90(config):
+    """GATHER builds with PREFETCH = 4: no spills, no advisory, within shared memory; a prefetch.global.L2 of a row's
+    line per consumer's rows for each of the tile's first 4 blocks and one in the K loop; the copies as without."""
+    gemm_ws_host = _gluon_or_skip()
+    k = _build(config, True, True, swiglu=True, gather=True, prefetch=4)
+    rep = ptxas_report(k.asm["ptx"])
+    assert not rep["advisories"], "\n".join(rep["advisories"])
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep["text"]
+    assert k.metadata.shared <= 227 * 1024
+    ptx = k.asm["ptx"]
+    consumers = gemm_ws_host.GROUPED_CONFIGS[config]["NUM_CONSUMERS"]
+    assert len(re.findall(r"prefetch\.global\.L2 \[", ptx)) == (4 + 1) * consumers
+    assert len(re.findall(r"cp\.async\.cg\.", ptx)) == 8
+    assert "prefetch.global.L2" not in _build(config, True, True, swiglu=True, gather=True).asm["ptx"]
+
+
 def _gather_operands(S=300, T=40):
     a, b, ends = _operands()
     src = torch.zeros(T, a.shape[1], dtype=a.dtype)
@@ -70,8 +88,12 @@ def test_gathered_launch_arguments(monkeypatch, config, claim):
     assert args["src_ptr"] is src and args["idx_ptr"] is rows
     assert (args["T_src"], args["S"], args["ld8"]) == (40, 300, 128 // 8)
     assert list(args["c_desc"].shape) == [300, 512] and args["c_ptr"] is h and args["act_ptr"] is act
+    assert kwargs["PREFETCH"] == gemm_ws_host.GATHER_PREFETCH
+    gemm_ws_host.launch_grouped_mm_swiglu(src, b, ends, claim=claim, config=config, programs=5, rows=rows, prefetch=8)
+    assert seen["kwargs"]["PREFETCH"] == 8
     gemm_ws_host.launch_grouped_mm_swiglu(*_operands(), programs=5, claim=claim, config=config)
     assert seen["kwargs"]["GATHER"] is False and seen["kwargs"]["PRODUCER_REGS"] == 40
+    assert seen["kwargs"]["PREFETCH"] == 0
 
 
 def test_gathered_launch_refusals(monkeypatch):
@@ -86,6 +108,8 @@ def test_gathered_launch_refusals(monkeypatch):
     with pytest.raises(ValueError, match="multiple of 64"):
         launch(wide[:, :120], b, ends, programs=5, rows=rows)
     assert gemm_ws_host.gather_unsupported(wide[:, :128], rows) is None  # 16-byte aligned rows of 128
+    with pytest.raises(ValueError, match="prefetch = 3"):
+        launch(src, b, ends, programs=5, rows=rows, prefetch=3)
     assert not seen
 
 
@@ -96,7 +120,8 @@ def test_op_gathers_only_when_asked(monkeypatch):
     import kosmos
     from kosmos.kernels import gemm_ws_host, moe_ops
 
-    for env in ("KOSMOS_GROUPED_MM", "KOSMOS_GROUPED_CONFIG", "KOSMOS_GROUPED_SWIGLU", moe_ops.GATHER_ENV):
+    for env in ("KOSMOS_GROUPED_MM", "KOSMOS_GROUPED_CONFIG", "KOSMOS_GROUPED_SWIGLU", moe_ops.GATHER_ENV,
+                moe_ops.GATHER_PREFETCH_ENV):
         monkeypatch.delenv(env, raising=False)
     monkeypatch.setattr(gemm_ws_host, "grouped_unsupported", lambda a, b: None)  # as on an sm_90 GPU
     launched = []
@@ -116,13 +141,24 @@ def test_op_gathers_only_when_asked(monkeypatch):
     assert call(16384, 128, 1536, 4096) == ("h", "act")  # Qwen3-235B: claimed tiles, split consumers
     (kw,) = launched
     assert kw["rows"].shape == (16384 * 8 + 128,) and kw["config"] == "128x256s" and kw["claim"] is True
+    assert kw["prefetch"] == gemm_ws_host.GATHER_PREFETCH
+    monkeypatch.setenv(moe_ops.GATHER_PREFETCH_ENV, "4")
+    assert call(16384, 128, 1536, 4096) == ("h", "act") and launched.pop()["prefetch"] == 4
+    monkeypatch.setenv(moe_ops.GATHER_PREFETCH_ENV, "3")
+    with pytest.raises(ValueError, match="KOSMOS_GROUPED_GATHER_PREFETCH='3'"):
+        call(16384, 128, 1536, 4096)
+    monkeypatch.delenv(moe_ops.GATHER_PREFETCH_ENV)
     assert call(16384, 128, 768, 2048) is None  # Qwen3-30B-A3B: torch's grouped kernel
     assert call(4096, 256, 1600, 7168) is None  # I % 128 != 0
     monkeypatch.setenv(moe_ops.GATHER_ENV, "on")
     with pytest.raises(ValueError, match="expected 0 or 1"):
         call(16384, 128, 1536, 4096)
+    pf = gemm_ws_host.GATHER_PREFETCH
     assert len(launched) == 1 and set(kosmos.report().runtime) == {
-        ("grouped_mm_swiglu", "kosmos grouped_ws m-fastest claimed 128x256s swiglu gathered", "supported"),
+        ("grouped_mm_swiglu", f"kosmos grouped_ws m-fastest claimed 128x256s swiglu gathered (L2 prefetch {pf})",
+         "supported"),
+        ("grouped_mm_swiglu", "kosmos grouped_ws m-fastest claimed 128x256s swiglu gathered (L2 prefetch 4)",
+         "supported"),
         ("grouped_mm_gather", "moe_gather_rows, then the up projection", "the up projection runs torch._grouped_mm"),
         ("grouped_mm_gather", "moe_gather_rows, then the up projection",
          "N = 3200 is not 2I with I a multiple of 128 (a tile's column block of gate and of up)")}
@@ -232,6 +268,21 @@ def test_gpu_gathered_short_groups_grids_and_act_dtypes(config):
 
 @pytest.mark.gpu
 @sm90_only
+@pytest.mark.parametrize("config", ["128x256", "128x256s"])
+@pytest.mark.parametrize("prefetch", [2, 16])
+def test_gpu_gathered_prefetch_bits(config, prefetch):
+    """The L2 prefetch changes no bit: both layers' expert dims (claimed m-fastest tiles, as the op runs them), and
+    short groups with fewer K blocks (5) than the prefetch distance on several grids."""
+    for T, H, I, E, rows in ((2500, 4096, 1536, 128, 20000), (1000, 7168, 2048, 32, 8000)):
+        _check_gathered_bits(*_gpu_gather_operands(T, H, I, E, rows, seed=E), m_fastest=True, claim=True,
+                             config=config, prefetch=prefetch)
+    for programs, m_fastest, claim in ((None, False, False), (3, True, False), (5, True, True)):
+        _check_gathered_bits(*_gpu_gather_operands(37, 320, 256, 12, 700, seed=4), programs=programs,
+                             m_fastest=m_fastest, claim=claim, config=config, prefetch=prefetch)
+
+
+@pytest.mark.gpu
+@sm90_only
 def test_gpu_reference_experts_gathered(monkeypatch):
     """The reference experts at Qwen3-235B's expert dims with KOSMOS_GROUPED_GATHER=1: the bits of the default
     (rows gathered by moe_gather_rows), and the report names the gathered launch."""
@@ -251,4 +302,7 @@ def test_gpu_reference_experts_gathered(monkeypatch):
     kosmos.reset_report()
     got = moe_math.experts(hidden, ids, weights, gate_up, down, return_up=True)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert any(impl.endswith("swiglu gathered") for _, impl, _ in kosmos.report().runtime), kosmos.report().runtime
+    assert any("swiglu gathered" in impl for _, impl, _ in kosmos.report().runtime), kosmos.report().runtime
+    monkeypatch.setenv("KOSMOS_GROUPED_GATHER_PREFETCH", "8")
+    got = moe_math.experts(hidden, ids, weights, gate_up, down, return_up=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -49,6 +49,26 @@ def _gather_block(src_ptr, row_off, has_row, dst, ki, BLOCK_K: gl.constexpr, lay
 
 
 @gluon.jit
+def _prefetch_offsets(row_off, has_row, WARPS: gl.constexpr):
+    """A tile's row offsets for _prefetch_rows: one row a thread (the copies' layout holds each row's offset in eight
+    threads), row 0's where a row has no source."""
+    return gl.convert_layout(gl.where(has_row, row_off, 0), gl.BlockedLayout([1], [32], [WARPS], [0]))
+
+
+@gluon.jit
+def _prefetch_rows(src_ptr, pf0, pf1, kb, k_tiles, BLOCK_K: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """Asks the L2 for K block kb of the tile's gathered rows (prefetch.global.L2 of one 128-byte line a row: BLOCK_K
+    16-bit elements; pf0 / pf1 from _prefetch_offsets) where kb is a block of the tile. Nothing waits for it."""
+    gl.static_assert(BLOCK_K * src_ptr.dtype.element_ty.primitive_bitwidth == 128 * 8, "a K block is one line")
+    if kb < k_tiles:
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [src_ptr + pf0 + kb * BLOCK_K],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+        if NUM_CONSUMERS == 2:
+            gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                                      [src_ptr + pf1 + kb * BLOCK_K], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _gathered_arrive(ready, it, pending: gl.constexpr, STAGES: gl.constexpr):
     """Once at most `pending` groups of this thread's copies are still in flight, makes the landed rows visible to
     the MMAs (proxy fence, then every producer thread past a barrier) and arrives on the ready barrier of stage
@@ -63,7 +83,7 @@ def _gathered_arrive(ready, it, pending: gl.constexpr, STAGES: gl.constexpr):
 def _gathered_producer(src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_ptr,
                        ends_ptr, E, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                        STAGES: gl.constexpr, M_FASTEST: gl.constexpr, CLAIM: gl.constexpr,
-                       NUM_CONSUMERS: gl.constexpr, WARPS: gl.constexpr):
+                       NUM_CONSUMERS: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr):
     """_grouped_producer of a SWIGLU build for A rows gathered from src by idx (GATHER): B's gate / up blocks by TMA
     as there, A by cp.async, so the gathered copy of the rows is never written. A stage's ready barrier counts two
     arrivals: B's expected bytes, and its A rows landed, which the partition reports one stage later, after issuing
@@ -89,7 +109,16 @@ def _gathered_producer(src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, 
         off0, has0 = _gather_rows(idx_ptr, off_m, S, T_src, ld8, ROWS, layout)
         if NUM_CONSUMERS == 2:
             off1, has1 = _gather_rows(idx_ptr, off_m + ROWS, S, T_src, ld8, ROWS, layout)
+        if PREFETCH > 0:  # the tile's first blocks now, then each step the block PREFETCH ahead
+            pf0 = _prefetch_offsets(off0, has0, WARPS)
+            pf1 = pf0
+            if NUM_CONSUMERS == 2:
+                pf1 = _prefetch_offsets(off1, has1, WARPS)
+            for kp in gl.static_range(PREFETCH):
+                _prefetch_rows(src_ptr, pf0, pf1, kp, k_tiles, BLOCK_K, NUM_CONSUMERS)
         for ki in range(0, k_tiles):
+            if PREFETCH > 0:
+                _prefetch_rows(src_ptr, pf0, pf1, ki + PREFETCH, k_tiles, BLOCK_K, NUM_CONSUMERS)
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), b_bytes)

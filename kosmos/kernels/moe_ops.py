@@ -535,6 +535,7 @@ def grouped_rows_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
 
 
 GATHER_ENV = "KOSMOS_GROUPED_GATHER"
+GATHER_PREFETCH_ENV = "KOSMOS_GROUPED_GATHER_PREFETCH"  # K blocks ahead (gemm_ws_host.GATHER_PREFETCHES)
 
 
 def grouped_rows_mm_swiglu_gathered(src: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
@@ -555,10 +556,13 @@ def grouped_rows_mm_swiglu_gathered(src: torch.Tensor, rows: torch.Tensor, b: to
     if reason is not None:
         record_run("grouped_mm_gather", "moe_gather_rows, then the up projection", reason)
         return None
-    record_run("grouped_mm_swiglu", _grouped_impl(*choice) + " swiglu gathered", "supported")
+    prefetch = int(env_choice(GATHER_PREFETCH_ENV, tuple(map(str, gemm_ws_host.GATHER_PREFETCHES)),
+                              str(gemm_ws_host.GATHER_PREFETCH)))
+    record_run("grouped_mm_swiglu", _grouped_impl(*choice) + f" swiglu gathered (L2 prefetch {prefetch})",
+               "supported")
     m_fastest, claim, config = choice
     return gemm_ws_host.launch_grouped_mm_swiglu(src, b, ends, m_fastest=m_fastest, claim=claim, config=config,
-                                                 act_dtype=act_dtype, rows=rows)
+                                                 act_dtype=act_dtype, rows=rows, prefetch=prefetch)
 
 
 def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:

@@ -13,8 +13,8 @@ kosmos_ms / kosmos_mcs: kosmos_m / kosmos_mc with each tile's rows split between
 SwiGLU epilogue, gemm_ws_host.launch_grouped_mm_swiglu: h and act in one launch); also gather_swiglu (the rows
 gathered from the layer's T tokens by moe_rows.gather_rows, then kosmos_mcs_swiglu: what the reference forward runs)
 and swiglu_gathered (the rows gathered inside the launch, launch_grouped_mm_swiglu(rows=...)), swiglu_gathered_p<D>
-the same with the gathering producer's L2 prefetch D K blocks ahead (prefetch=D); the rows of all of them are that
-gathered copy.
+the same with the gathering producer's L2 prefetch D K blocks ahead (prefetch=D), swiglu_gathered_p<D>n also with
+each next tile's first blocks (prefetch_next); the rows of all of them are that gathered copy.
 """
 from __future__ import annotations
 
@@ -90,8 +90,9 @@ def swiglu_impls(a, b, ends, out, src, rows):
             "kosmos_mcs_swiglu": lambda: launch_grouped_mm_swiglu(a, b, ends, **kw),
             "gather_swiglu": lambda: launch_grouped_mm_swiglu(gather_rows(src, rows), b, ends, **kw),
             "swiglu_gathered": lambda: launch_grouped_mm_swiglu(src, b, ends, rows=rows, **kw),
-            **{f"swiglu_gathered_p{d}": lambda d=d: launch_grouped_mm_swiglu(src, b, ends, rows=rows, prefetch=d, **kw)
-               for d in GATHER_PREFETCHES if d}}
+            **{f"swiglu_gathered_p{d}{'n' if nxt else ''}": lambda d=d, nxt=nxt: launch_grouped_mm_swiglu(
+                src, b, ends, rows=rows, prefetch=d, prefetch_next=nxt, **kw)
+               for d in GATHER_PREFETCHES if d for nxt in (False, True)}}
 
 
 def routed_rows(T: int, ends_cpu: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

@@ -12,9 +12,8 @@ kosmos_ms / kosmos_mcs: kosmos_m / kosmos_mc with each tile's rows split between
 --swiglu: the up GEMM alone, kosmos_mcs against kosmos_mcs_rows (+ moe_rows.swiglu_rows) and kosmos_mcs_swiglu (its
 SwiGLU epilogue, gemm_ws_host.launch_grouped_mm_swiglu: h and act in one launch); also gather_swiglu (the rows
 gathered from the layer's T tokens by moe_rows.gather_rows, then kosmos_mcs_swiglu: what the reference forward runs)
-and swiglu_gathered (the rows gathered inside the launch, launch_grouped_mm_swiglu(rows=...)), swiglu_gathered_p<D>
-the same with the gathering producer's L2 prefetch D K blocks ahead (prefetch=D), swiglu_gathered_p<D>n also with
-each next tile's first blocks (prefetch_next); the rows of all of them are that gathered copy.
+and swiglu_gathered (the rows gathered inside the launch, launch_grouped_mm_swiglu(rows=...)); the rows of all of
+them are that gathered copy.
 """
 from __future__ import annotations
 
@@ -82,17 +81,14 @@ def swiglu_impls(a, b, ends, out, src, rows):
     """The up GEMM with its SwiGLU: kosmos's claimed split GEMM then the row kernel, or its SwiGLU epilogue, on the
     rows a; or those rows gathered from src by rows first (a is that copy) or inside the launch (the act comes out
     of each; h is `out` for the first, the first of the pair the others return)."""
-    from kosmos.kernels.gemm_ws_host import GATHER_PREFETCHES, grouped_mm, launch_grouped_mm_swiglu
+    from kosmos.kernels.gemm_ws_host import grouped_mm, launch_grouped_mm_swiglu
     from kosmos.kernels.moe_rows import gather_rows, swiglu_rows
 
     kw = dict(m_fastest=True, claim=True, config="128x256s")
     return {"kosmos_mcs_rows": lambda: swiglu_rows(grouped_mm(a, b, ends, out=out, **kw)),
             "kosmos_mcs_swiglu": lambda: launch_grouped_mm_swiglu(a, b, ends, **kw),
             "gather_swiglu": lambda: launch_grouped_mm_swiglu(gather_rows(src, rows), b, ends, **kw),
-            "swiglu_gathered": lambda: launch_grouped_mm_swiglu(src, b, ends, rows=rows, **kw),
-            **{f"swiglu_gathered_p{d}{'n' if nxt else ''}": lambda d=d, nxt=nxt: launch_grouped_mm_swiglu(
-                src, b, ends, rows=rows, prefetch=d, prefetch_next=nxt, **kw)
-               for d in GATHER_PREFETCHES if d for nxt in (False, True)}}
+            "swiglu_gathered": lambda: launch_grouped_mm_swiglu(src, b, ends, rows=rows, **kw)}
 
 
 def routed_rows(T: int, ends_cpu: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

@@ -32,16 +32,15 @@ def _gluon_or_skip():
 
 
 def _build(config: str, m_fastest: bool, claim: bool, b_trans: bool = True, swiglu: bool = False,
-           act: str = "bf16", gather: bool = False, prefetch: int = 0, prefetch_next: bool = False):
+           act: str = "bf16", gather: bool = False):
     """grouped_ws_kernel for sm_90 with the constexprs and descriptor blocks its launchers give it (act_ptr: the
-    plain launcher's C, or the act tensor; gather: launch_grouped_mm_swiglu's rows given, with its prefetch)."""
+    plain launcher's C, or the act tensor; gather: launch_grouped_mm_swiglu's rows given)."""
     from kosmos.kernels import gemm_ws_host, grouped_ws
 
     bm, bn, bk = gemm_ws_host.GROUPED_BLOCK
     cfg = {**gemm_ws_host.GROUPED_CONFIGS[config], "SWIGLU": swiglu}
     if gather:
-        cfg.update(GATHER=True, PRODUCER_REGS=gemm_ws_host.GATHER_PRODUCER_REGS, PREFETCH=prefetch,
-                   PREFETCH_NEXT=prefetch_next)
+        cfg.update(GATHER=True, PRODUCER_REGS=gemm_ws_host.GATHER_PRODUCER_REGS)
     rows = bm // cfg["NUM_CONSUMERS"]
     cols = bn // 2 if swiglu else bn
     return compile_sm90_gluon(grouped_ws.grouped_ws_kernel,

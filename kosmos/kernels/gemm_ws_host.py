@@ -100,13 +100,11 @@ GROUPED_BLOCK = (128, 256, 64)  # BLOCK_M, BLOCK_N, BLOCK_K: ws256_1c's tiles (g
 # grouped_ws_kernel's launch configs: "128x256" one 8-warp consumer per tile; "128x256s" the tile's rows split
 # between two 4-warp consumers that release each stage on their own (no CTA barrier across the two warpgroups in
 # the K loop), the lower one skipping its MMAs where its rows are all past the group's end. SWIGLU and GATHER stay
-# in every entry (launch_grouped_mm_swiglu sets them), and PREFETCH / PREFETCH_NEXT (GATHER's): a build that left one out would take
-# it as a runtime argument.
+# in every entry (launch_grouped_mm_swiglu sets them): a build that left one out would take it as a runtime argument.
 GROUPED_CONFIGS = {
-    "128x256": dict(NUM_CONSUMERS=1, CONSUMER_WARPS=8, CONSUMER_REGS=0, PRODUCER_REGS=40, SWIGLU=False, GATHER=False,
-                    PREFETCH=0, PREFETCH_NEXT=False),
+    "128x256": dict(NUM_CONSUMERS=1, CONSUMER_WARPS=8, CONSUMER_REGS=0, PRODUCER_REGS=40, SWIGLU=False, GATHER=False),
     "128x256s": dict(NUM_CONSUMERS=2, CONSUMER_WARPS=4, CONSUMER_REGS=232, PRODUCER_REGS=40, SWIGLU=False,
-                     GATHER=False, PREFETCH=0, PREFETCH_NEXT=False),
+                     GATHER=False),
 }
 
 
@@ -223,19 +221,15 @@ SWIGLU_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, *, m_fastest: bool = False,
                              claim: bool = False, config: str = "128x256", act_dtype: Optional[torch.dtype] = None,
-                             programs: Optional[int] = None, rows: Optional[torch.Tensor] = None,
-                             prefetch: Optional[int] = None, prefetch_next: Optional[bool] = None):
+                             programs: Optional[int] = None, rows: Optional[torch.Tensor] = None):
     """(h [S, 2I], act [S, I]) in one launch, for operands swiglu_unsupported has already accepted: h is
     launch_grouped_mm(a, b, ends)'s [gate | up] (the same bits) and act = silu(gate) * up in act_dtype (default
     a's), rounded as moe_rows.swiglu_rows(h, act_dtype) rounds it; rows past ends[-1] are left unwritten in both.
     m_fastest / claim / config / programs: as launch_grouped_mm's. rows (int64 [S], contiguous): A is gathered in
     the launch, its row r being a[rows[r]], a zero row where rows[r] is not a row of a (as in
     moe_rows.gather_rows; the MoE pad rows carry a.shape[0]): the bits of the call on that gathered copy, which is
-    never written (gather_unsupported says what it needs); prefetch (with rows; default GATHER_PREFETCH): how many
-    K blocks ahead of its copies the gathering producer asks the L2 for the rows; prefetch_next (default
-    GATHER_PREFETCH_NEXT; prefetch > 0): it takes each next tile one tile early and asks for that tile's first
-    blocks too. Raises ValueError for ends, act_dtype, rows, prefetch, or a B whose shape or layout the epilogue
-    cannot take."""
+    never written (gather_unsupported says what it needs). Raises ValueError for ends, act_dtype, rows, or a B
+    whose shape or layout the epilogue cannot take."""
     S, K = a.shape if rows is None else (rows.shape[0], a.shape[1])
     E, _, N = b.shape
     BM, BN, BK = GROUPED_BLOCK
@@ -248,11 +242,6 @@ def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
     if grouped_b_trans(b) is not True:
         raise ValueError(f"kosmos grouped_mm_swiglu: B strides {b.stride()} (a K-contiguous view of [E, 2I, H] "
                          "storage expected)")
-    prefetch = GATHER_PREFETCH if prefetch is None else prefetch
-    prefetch_next = GATHER_PREFETCH_NEXT if prefetch_next is None else prefetch_next
-    if prefetch not in GATHER_PREFETCHES or (prefetch_next and not prefetch):
-        raise ValueError(f"kosmos grouped_mm_swiglu: prefetch = {prefetch} (one of {GATHER_PREFETCHES}; > 0 for "
-                         f"prefetch_next, here {prefetch_next})")
     act_dtype = act_dtype or a.dtype
     if act_dtype not in SWIGLU_ACT_DTYPES:
         raise ValueError(f"kosmos grouped_mm_swiglu: act_dtype {act_dtype} (one of {SWIGLU_ACT_DTYPES})")
@@ -262,8 +251,7 @@ def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
         return h, act
     cfg = {**GROUPED_CONFIGS[config], "SWIGLU": True}
     if rows is not None:
-        cfg.update(GATHER=True, PRODUCER_REGS=GATHER_PRODUCER_REGS, PREFETCH=prefetch,
-                   PREFETCH_NEXT=bool(prefetch_next))
+        cfg.update(GATHER=True, PRODUCER_REGS=GATHER_PRODUCER_REGS)
     tile_rows = BM // cfg["NUM_CONSUMERS"]  # a consumer's rows of a tile
     # (gathered, a_desc only gives the kernel A's dtype and shared layout)
     a_desc = _descriptor(a, [a.shape[0], K], a.stride(0), [tile_rows, BK])
@@ -277,15 +265,6 @@ def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
 # The gathering producer's registers: its four warps' cp.async addressing spills at 40 (sm_90 build on the CPU,
 # forty-fourth session), not at 56; the first consumer still gets 216 then (the kernel is built for 168).
 GATHER_PRODUCER_REGS = 56
-
-# The gathering producer's L2 prefetch distance in K blocks (0: none). Its copies may be one stage ahead of the MMAs
-# at most (three stages; grouped_ws_gather._gathered_producer), too little for a row's first read from DRAM; a
-# prefetch.global.L2 of the block PREFETCH steps ahead waits for nothing.
-# PREFETCH_NEXT: the producer takes its next tile one tile early and asks for that tile's first blocks too, so a
-# tile's first copies need not wait for DRAM either.
-GATHER_PREFETCHES = (0, 2, 4, 8, 16)
-GATHER_PREFETCH = 0
-GATHER_PREFETCH_NEXT = False
 
 
 def gather_unsupported(src: torch.Tensor, rows: torch.Tensor) -> Optional[str]:

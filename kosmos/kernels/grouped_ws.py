@@ -259,8 +259,7 @@ def _warp_specialize_gathered(a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b
                               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                               B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                               CONSUMER_WARPS: gl.constexpr, CLAIM: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                              CONSUMER_REGS: gl.constexpr, SWIGLU: gl.constexpr, PREFETCH: gl.constexpr,
-                              PREFETCH_NEXT: gl.constexpr):
+                              CONSUMER_REGS: gl.constexpr, SWIGLU: gl.constexpr):
     """grouped_ws_kernel's partitions with GATHER: its consumers, and _gathered_producer on four warps."""
     gl.static_assert(SWIGLU, "GATHER: the SWIGLU builds (the forward's up projection) only")
     ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
@@ -271,7 +270,7 @@ def _warp_specialize_gathered(a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b
                                  B_TRANS, M_FASTEST, CLAIM, 0, ROWS, SWIGLU)),
             (_gathered_producer, (src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, ready, empty, ids,
                                   claim_ptr, ends_ptr, E, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, M_FASTEST,
-                                  CLAIM, NUM_CONSUMERS, 4, PREFETCH, PREFETCH_NEXT)),
+                                  CLAIM, NUM_CONSUMERS, 4)),
         ], [4], [PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -283,7 +282,7 @@ def _warp_specialize_gathered(a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b
                                  B_TRANS, M_FASTEST, CLAIM, ROWS, ROWS, SWIGLU)),
             (_gathered_producer, (src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, ready, empty, ids,
                                   claim_ptr, ends_ptr, E, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, M_FASTEST,
-                                  CLAIM, NUM_CONSUMERS, 4, PREFETCH, PREFETCH_NEXT)),
+                                  CLAIM, NUM_CONSUMERS, 4)),
         ], [CONSUMER_WARPS, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -293,8 +292,7 @@ def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                       B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                       CONSUMER_WARPS: gl.constexpr, CLAIM: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 1,
-                      CONSUMER_REGS: gl.constexpr = 0, SWIGLU: gl.constexpr = False, GATHER: gl.constexpr = False,
-                      PREFETCH: gl.constexpr = 0, PREFETCH_NEXT: gl.constexpr = False):
+                      CONSUMER_REGS: gl.constexpr = 0, SWIGLU: gl.constexpr = False, GATHER: gl.constexpr = False):
     """C = A @ B[group] per row group; grid <= #SMs, num_warps = CONSUMER_WARPS (the first consumer; a one-warp
     producer is a worker). a_desc [S, K] block [BLOCK_M // NUM_CONSUMERS, BLOCK_K]; b_desc over B as 2D, [E * K,
     N] block [BLOCK_K, BLOCK_N] or (B_TRANS) [E * N, K] block [BLOCK_N, BLOCK_K]; c_desc [S, N] block
@@ -346,7 +344,7 @@ def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E
         _warp_specialize_gathered(a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b_desc, c_desc, c_ptr, ldc,
                                   ends_ptr, claim_ptr, E, N, K, act_ptr, src_ptr, idx_ptr, T_src, S, ld8, BLOCK_M,
                                   BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, PRODUCER_REGS, CONSUMER_WARPS, CLAIM,
-                                  NUM_CONSUMERS, CONSUMER_REGS, SWIGLU, PREFETCH, PREFETCH_NEXT)
+                                  NUM_CONSUMERS, CONSUMER_REGS, SWIGLU)
     elif NUM_CONSUMERS == 1:
         gl.warp_specialize([
             (_grouped_consumer, (a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(0), c_ptr, ldc,

@@ -8,6 +8,10 @@ The same bits on the H200, but slower (forty-fourth session, T = 16384, up GEMM 
 the gather kernel then the GEMM on the copy (Qwen3-235B), 14.670 against 13.689 (DeepSeek-V3); the cp.async rows cost
 the GEMM more than the gather. So it is opt-in (KOSMOS_GROUPED_GATHER=1).
 
+Not latency: an L2 prefetch of the rows 2-16 K blocks ahead of the copies kept the bits and made the up GEMM 2-9%
+slower, and taking the next tile one tile early to prefetch its first blocks too 36-46% slower (H100, forty-ninth
+session; results/gather_prefetch_s49.patch.txt).
+
 One TMA copy of box [1, BLOCK_K] a row instead (two one-warp producers, each row through an 8-row view of the
 swizzled stage) gave the right bits but ran the up GEMM at 239 TF/s instead of 633 (Qwen3-235B): an SM issues a
 stage's 128 one-row copies in 1.4 us at best, against 0.19 us for one tile copy and ~0.85 us of GEMM per stage
@@ -49,45 +53,6 @@ def _gather_block(src_ptr, row_off, has_row, dst, ki, BLOCK_K: gl.constexpr, lay
 
 
 @gluon.jit
-def _prefetch_offsets(idx_ptr, off_m, S, T_src, ld8, valid, ROWS: gl.constexpr, WARPS: gl.constexpr):
-    """_gather_rows' offsets of rows [off_m, off_m + ROWS) one row a thread, for _prefetch_rows: row 0's for a row
-    without a source, and for every row unless `valid` (a tile that exists)."""
-    r = off_m + gl.arange(0, ROWS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-    src_row = gl.load(idx_ptr + r, mask=(r < S) & valid, other=T_src)
-    has = (src_row >= 0) & (src_row < T_src)
-    return gl.where(has, src_row.to(gl.int64) * ld8 * 8, 0)
-
-
-@gluon.jit
-def _prefetch_rows(src_ptr, pf0, pf1, kb, k_tiles, BLOCK_K: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
-    """Asks the L2 for K block kb of the tile's gathered rows (prefetch.global.L2 of one 128-byte line a row: BLOCK_K
-    16-bit elements; pf0 / pf1 from _prefetch_offsets) where kb is a block of the tile. Nothing waits for it."""
-    gl.static_assert(BLOCK_K * src_ptr.dtype.element_ty.primitive_bitwidth == 128 * 8, "a K block is one line")
-    if kb < k_tiles:
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [src_ptr + pf0 + kb * BLOCK_K],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-        if NUM_CONSUMERS == 2:
-            gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                                      [src_ptr + pf1 + kb * BLOCK_K], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _tile_prefetch(src_ptr, idx_ptr, t, tile0, start, end, valid, S, T_src, ld8, num_pid_n, k_tiles,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, M_FASTEST: gl.constexpr,
-                   NUM_CONSUMERS: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr):
-    """Tile t's prefetch offsets (_prefetch_offsets of each consumer's rows), its first PREFETCH blocks asked for."""
-    ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
-    off_m, _ = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
-    pf0 = _prefetch_offsets(idx_ptr, off_m, S, T_src, ld8, valid, ROWS, WARPS)
-    pf1 = pf0
-    if NUM_CONSUMERS == 2:
-        pf1 = _prefetch_offsets(idx_ptr, off_m + ROWS, S, T_src, ld8, valid, ROWS, WARPS)
-    for kp in gl.static_range(PREFETCH):
-        _prefetch_rows(src_ptr, pf0, pf1, kp, gl.where(valid, k_tiles, 0), BLOCK_K, NUM_CONSUMERS)
-    return pf0, pf1
-
-
-@gluon.jit
 def _gathered_arrive(ready, it, pending: gl.constexpr, STAGES: gl.constexpr):
     """Once at most `pending` groups of this thread's copies are still in flight, makes the landed rows visible to
     the MMAs (proxy fence, then every producer thread past a barrier) and arrives on the ready barrier of stage
@@ -102,8 +67,7 @@ def _gathered_arrive(ready, it, pending: gl.constexpr, STAGES: gl.constexpr):
 def _gathered_producer(src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_ptr,
                        ends_ptr, E, N, K, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                        STAGES: gl.constexpr, M_FASTEST: gl.constexpr, CLAIM: gl.constexpr,
-                       NUM_CONSUMERS: gl.constexpr, WARPS: gl.constexpr, PREFETCH: gl.constexpr,
-                       PREFETCH_NEXT: gl.constexpr):
+                       NUM_CONSUMERS: gl.constexpr, WARPS: gl.constexpr):
     """_grouped_producer of a SWIGLU build for A rows gathered from src by idx (GATHER): B's gate / up blocks by TMA
     as there, A by cp.async, so the gathered copy of the rows is never written. A stage's ready barrier counts two
     arrivals: B's expected bytes, and its A rows landed, which the partition reports one stage later, after issuing
@@ -119,11 +83,7 @@ def _gathered_producer(src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, 
     b_bytes: gl.constexpr = BLOCK_N * BLOCK_K * b_desc.dtype.primitive_bitwidth // 8
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    gl.static_assert(PREFETCH > 0 or not PREFETCH_NEXT, "PREFETCH_NEXT asks for the first PREFETCH blocks")
     t, e, start, end, tile0, it = _producer_first_tile(claim_ptr, ends_ptr, E, num_pid_n, BLOCK_M, CLAIM)
-    if PREFETCH > 0:
-        pf0, pf1 = _tile_prefetch(src_ptr, idx_ptr, t, tile0, start, end, e < E, S, T_src, ld8, num_pid_n, k_tiles,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, M_FASTEST, NUM_CONSUMERS, WARPS, PREFETCH)
     while e < E:
         off_m, off_n = _tile_offsets(t, tile0, start, end, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
         b_base = e * N
@@ -133,20 +93,7 @@ def _gathered_producer(src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, 
         off0, has0 = _gather_rows(idx_ptr, off_m, S, T_src, ld8, ROWS, layout)
         if NUM_CONSUMERS == 2:
             off1, has1 = _gather_rows(idx_ptr, off_m + ROWS, S, T_src, ld8, ROWS, layout)
-        if PREFETCH_NEXT:  # the next tile taken now, its first blocks asked for in this tile's last PREFETCH steps
-            tn, en, startn, endn, tile0n = _producer_next_tile(t, claim_ptr, ends_ptr, E, num_pid_n, e, start, end,
-                                                               tile0, BLOCK_M, CLAIM)
-            off_mn, _ = _tile_offsets(tn, tile0n, startn, endn, num_pid_n, BLOCK_M, BLOCK_N, M_FASTEST)
-            pfn0 = _prefetch_offsets(idx_ptr, off_mn, S, T_src, ld8, en < E, ROWS, WARPS)
-            pfn1 = pfn0
-            if NUM_CONSUMERS == 2:
-                pfn1 = _prefetch_offsets(idx_ptr, off_mn + ROWS, S, T_src, ld8, en < E, ROWS, WARPS)
         for ki in range(0, k_tiles):
-            if PREFETCH > 0:
-                _prefetch_rows(src_ptr, pf0, pf1, ki + PREFETCH, k_tiles, BLOCK_K, NUM_CONSUMERS)
-                if PREFETCH_NEXT:
-                    _prefetch_rows(src_ptr, pfn0, pfn1, ki + PREFETCH - k_tiles, gl.where(en < E, k_tiles, 0),
-                                   BLOCK_K, NUM_CONSUMERS)
             s = it % STAGES
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), b_bytes)
@@ -159,16 +106,8 @@ def _gathered_producer(src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, 
             async_copy.commit_group()
             _gathered_arrive(ready, it, LAG, STAGES)
             it += 1
-        if PREFETCH_NEXT:
-            t, e, start, end, tile0 = tn, en, startn, endn, tile0n
-            pf0, pf1 = pfn0, pfn1
-        else:
-            t, e, start, end, tile0 = _producer_next_tile(t, claim_ptr, ends_ptr, E, num_pid_n, e, start, end, tile0,
-                                                          BLOCK_M, CLAIM)
-            if PREFETCH > 0:
-                pf0, pf1 = _tile_prefetch(src_ptr, idx_ptr, t, tile0, start, end, e < E, S, T_src, ld8, num_pid_n,
-                                          k_tiles, BLOCK_M, BLOCK_N, BLOCK_K, M_FASTEST, NUM_CONSUMERS, WARPS,
-                                          PREFETCH)
+        t, e, start, end, tile0 = _producer_next_tile(t, claim_ptr, ends_ptr, E, num_pid_n, e, start, end, tile0,
+                                                      BLOCK_M, CLAIM)
     _gathered_arrive(ready, it - 1, 0, STAGES)  # the last stage's rows
     if CLAIM:
         _publish(ids, empty, it, -1, STAGES, WARPS)

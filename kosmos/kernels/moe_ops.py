@@ -535,19 +535,6 @@ def grouped_rows_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
 
 
 GATHER_ENV = "KOSMOS_GROUPED_GATHER"
-# the gathering producer's L2 prefetch: K blocks ahead (gemm_ws_host.GATHER_PREFETCHES), "n" after it for
-# prefetch_next (e.g. "4n")
-GATHER_PREFETCH_ENV = "KOSMOS_GROUPED_GATHER_PREFETCH"
-
-
-def gather_prefetch() -> tuple[int, bool]:
-    """(prefetch, prefetch_next) of KOSMOS_GROUPED_GATHER_PREFETCH, default gemm_ws_host's."""
-    from kosmos.kernels import gemm_ws_host
-
-    values = [str(d) for d in gemm_ws_host.GATHER_PREFETCHES] + [f"{d}n" for d in gemm_ws_host.GATHER_PREFETCHES if d]
-    default = f"{gemm_ws_host.GATHER_PREFETCH}{'n' if gemm_ws_host.GATHER_PREFETCH_NEXT else ''}"
-    value = env_choice(GATHER_PREFETCH_ENV, tuple(values), default)
-    return int(value.rstrip("n")), value.endswith("n")
 
 
 def grouped_rows_mm_swiglu_gathered(src: torch.Tensor, rows: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
@@ -568,13 +555,10 @@ def grouped_rows_mm_swiglu_gathered(src: torch.Tensor, rows: torch.Tensor, b: to
     if reason is not None:
         record_run("grouped_mm_gather", "moe_gather_rows, then the up projection", reason)
         return None
-    prefetch, prefetch_next = gather_prefetch()
-    record_run("grouped_mm_swiglu", _grouped_impl(*choice) + f" swiglu gathered (L2 prefetch {prefetch}"
-               f"{', next tile' if prefetch_next else ''})", "supported")
+    record_run("grouped_mm_swiglu", _grouped_impl(*choice) + " swiglu gathered", "supported")
     m_fastest, claim, config = choice
     return gemm_ws_host.launch_grouped_mm_swiglu(src, b, ends, m_fastest=m_fastest, claim=claim, config=config,
-                                                 act_dtype=act_dtype, rows=rows, prefetch=prefetch,
-                                                 prefetch_next=prefetch_next)
+                                                 act_dtype=act_dtype, rows=rows)
 
 
 def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:

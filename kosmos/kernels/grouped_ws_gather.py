@@ -9,8 +9,8 @@ the gather kernel then the GEMM on the copy (Qwen3-235B), 14.670 against 13.689 
 the GEMM more than the gather. So it is opt-in (KOSMOS_GROUPED_GATHER=1).
 
 Not latency: an L2 prefetch of the rows 2-16 K blocks ahead of the copies kept the bits and made the up GEMM 2-9%
-slower, and taking the next tile one tile early to prefetch its first blocks too 36-46% slower (H100, forty-ninth
-session; results/gather_prefetch_s49.patch.txt).
+slower (H100, forty-ninth session; results/gather_prefetch_s49.patch.txt, whose variant that also prefetched the
+next tile's first blocks was timed with a bug: it prefetched a wrong line every step).
 
 One TMA copy of box [1, BLOCK_K] a row instead (two one-warp producers, each row through an 8-row view of the
 swizzled stage) gave the right bits but ran the up GEMM at 239 TF/s instead of 633 (Qwen3-235B): an SM issues a

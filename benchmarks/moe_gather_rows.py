@@ -1,11 +1,10 @@
 """Times the MoE reference's row kernels at the layer dims of the MoE issue (one H200 in RESULTS.md): the gather into
 expert-sorted rows, torch (index_select + index_fill_) vs kosmos.kernels.moe_rows.gather_rows; with --fold, the
 forward's weighted fold (bf16 rows, the layer's routing weights, hidden's bf16 out) and the backward's (fp32 sum of
-bf16 rows plus an fp32 add) over fold tiles (tokens, columns, warps), moe_rows.FOLD_TILE first; with --scatter,
-moe_rows.gather_rows against moe_rows.scatter_rows (the same rows by the inverse map) over scatter tiles (device ms
-per call: measure.bench_graph, CUDA-graph replays, L2 flushed).
+bf16 rows plus an fp32 add) over fold tiles (tokens, columns, warps), moe_rows.FOLD_TILE first (device ms per call:
+measure.bench_graph, CUDA-graph replays, L2 flushed).
 
-    PYTHONPATH=.:benchmarks python3 benchmarks/moe_gather_rows.py [--fold] [--scatter]
+    PYTHONPATH=.:benchmarks python3 benchmarks/moe_gather_rows.py [--fold]
 """
 import argparse
 
@@ -16,7 +15,6 @@ import kosmos.kernels.fused_ops  # noqa: F401  (registers the row kernels)
 from kosmos.ops import dispatch, moe_math
 
 CASES = [("qwen3_235b", 16384, 4096, 128), ("deepseek_v3", 16384, 7168, 256), ("qwen3_30b", 4096, 2048, 128)]
-SCATTER_TILES = [(8, 256, 4), (16, 256, 4), (4, 256, 4), (32, 256, 4), (8, 512, 4), (16, 128, 4), (2, 256, 2)]
 FOLD_TILES = [(8, 256, 4), (16, 256, 4), (32, 256, 4), (4, 256, 4), (8, 128, 4), (16, 128, 4), (8, 512, 4), (8, 1024, 8)]
 
 
@@ -34,23 +32,6 @@ def gather(name, T, H, rows) -> None:
     gb = fused.numel() * fused.element_size() / 1e9
     print(f"{name} T={T} gather: equal={torch.equal(fused, ref)} torch {ms_torch:.3f} ms ({gb / ms_torch:.2f} TB/s "
           f"written) kernel {ms_kernel:.3f} ms ({gb / ms_kernel:.2f} TB/s)", flush=True)
-
-
-def scatter(name, T, H, rows) -> None:
-    """gather_rows against scatter_rows over SCATTER_TILES (bench_graph: device ms per call, L2 flushed)."""
-    from kosmos.kernels import moe_rows
-    from measure import bench_graph
-
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    want = moe_rows.gather_rows(x, rows.token)
-    gb = want.numel() * want.element_size() / 1e9
-    ms = bench_graph(lambda: moe_rows.gather_rows(x, rows.token))
-    print(f"{name} T={T} gather_rows: {ms:.4f} ms ({gb / ms:.2f} TB/s written)", flush=True)
-    for tile in SCATTER_TILES:
-        same = torch.equal(moe_rows.scatter_rows(x, rows.row, rows.token, rows.pair, tile=tile), want)
-        ms = bench_graph(lambda tile=tile: moe_rows.scatter_rows(x, rows.row, rows.token, rows.pair, tile=tile))
-        print(f"{name} T={T} scatter_rows {tile}: {ms:.4f} ms ({gb / ms:.2f} TB/s written), same bits {same}",
-              flush=True)
 
 
 def fold(name, T, H, rows, k) -> None:
@@ -73,7 +54,6 @@ def fold(name, T, H, rows, k) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--fold", action="store_true", help="also the fold over tiles")
-    p.add_argument("--scatter", action="store_true", help="also moe_rows.scatter_rows over tiles")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -82,8 +62,6 @@ def main() -> None:
         ids = torch.stack([torch.randperm(E, device="cuda")[:8] for _ in range(T)])
         rows = moe_math._SortedPairs(ids, E)
         gather(name, T, H, rows)
-        if args.scatter:
-            scatter(name, T, H, rows)
         if args.fold:
             fold(name, T, H, rows, 8)
 

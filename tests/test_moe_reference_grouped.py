@@ -587,17 +587,11 @@ def test_gpu_fold_kernel_matches_torch(monkeypatch, w_dtype, out_dtype):
 @pytest.mark.parametrize("T,k,E,H,src_dtype,dtype", [(1000, 8, 64, 2100, torch.bfloat16, None),
                                                      (333, 4, 16, 96, torch.float32, torch.bfloat16),
                                                      (0, 2, 4, 64, torch.bfloat16, None)])
-@pytest.mark.parametrize("how", ["gather", "scatter"])
-def test_gpu_gather_rows_matches_torch(monkeypatch, how, T, k, E, H, src_dtype, dtype):
-    """The registered row gather (one pass: gather, pad rows zero, cast; or the scatter, KOSMOS_ROW_GATHER=scatter)
-    gives _SortedPairs.gather's torch bits, for token rows, per-pair elements and sentinel pairs (id E), and an empty
-    source."""
-    import kosmos
+def test_gpu_gather_rows_matches_torch(monkeypatch, T, k, E, H, src_dtype, dtype):
+    """The registered row gather (one pass: gather, pad rows zero, cast) gives _SortedPairs.gather's torch bits,
+    for token rows, per-pair elements and sentinel pairs (id E), and an empty source."""
     import kosmos.kernels.fused_ops  # noqa: F401
     from kosmos.ops import dispatch
-
-    monkeypatch.setenv("KOSMOS_ROW_GATHER", how)
-    kosmos.reset_report()
 
     g = torch.Generator(device="cuda").manual_seed(T + k)
     ids = torch.randint(0, E + 1, (T, k), device="cuda", generator=g)  # E: the sentinel (a pair of no expert)
@@ -614,31 +608,6 @@ def test_gpu_gather_rows_matches_torch(monkeypatch, how, T, k, E, H, src_dtype, 
     assert fused[0].dtype == (dtype or src_dtype) and fused[0].shape == (T * k + E, H)
     if T:
         assert (fused[0][rows.pads] == 0).all() and (fused[1][rows.pads] == 0).all()
-    assert [key[1] for key in kosmos.report().runtime if key[0] == "row_gather"] == [f"moe_{how}_rows"]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("T,k,E,H,src_dtype,dtype", [(16384, 8, 128, 4096, torch.bfloat16, None),
-                                                     (4099, 8, 256, 7168, torch.float32, torch.bfloat16),
-                                                     (1000, 2, 5, 2100, torch.bfloat16, None),
-                                                     (3, 4, 64, 96, torch.bfloat16, None)])
-def test_gpu_scatter_rows_matches_gather_rows(T, k, E, H, src_dtype, dtype):
-    """moe_rows.scatter_rows gives moe_rows.gather_rows' bits on every row (pads zero, sentinel pairs' rows their
-    tokens'), at the layers' sizes and at odd ones, on every tile benchmarks/moe_gather_rows.py times, with the sorted
-    pairs of the registered counting sort."""
-    import kosmos.kernels.fused_ops  # noqa: F401
-    from kosmos.kernels import moe_rows
-
-    g = torch.Generator(device="cuda").manual_seed(T + E)
-    ids = torch.rand(T, E, device="cuda", generator=g).topk(k, dim=-1).indices
-    ids[torch.rand(T, k, device="cuda", generator=g) < 0.02] = E
-    rows = moe_math._SortedPairs(ids, E)
-    src = torch.randn(T, H, device="cuda", generator=g).to(src_dtype)
-    want = moe_rows.gather_rows(src, rows.token, dtype)
-    for tile in [moe_rows.SCATTER_TILE, (16, 256, 4), (4, 256, 4), (8, 512, 4), (16, 128, 4)]:
-        got = moe_rows.scatter_rows(src, rows.row, rows.token, rows.pair, dtype, tile=tile)
-        assert got.dtype == want.dtype and torch.equal(got, want), tile
 
 
 @pytest.mark.gpu
@@ -663,57 +632,6 @@ def test_gpu_sorted_pairs_match_torch(monkeypatch, T, k, E):
             a, b = getattr(fused, name), getattr(ref, name)
             assert a.dtype == b.dtype and torch.equal(a, b), name
         assert fused.groups.ends.dtype == torch.int32 and torch.equal(fused.groups.ends, ref.groups.ends)
-
-
-def test_token_rows_go_to_the_scatter_kernel(monkeypatch):
-    """_SortedPairs.gather of token rows (t has the routing's T rows) asks the registered moe_scatter_rows with the
-    pairs' inverse map, and falls back to the gather where it declines; per-pair elements (index=pair) and a
-    tensor of another row count are gathered. KOSMOS_ROW_GATHER picks (gather by default, recorded either way); an
-    unknown value is an error."""
-    import kosmos
-    from kosmos.kernels import moe_ops
-    from kosmos.ops import dispatch
-
-    T, k, E, H = 9, 2, 4, 8
-    ids = torch.randint(0, E + 1, (T, k), generator=torch.Generator().manual_seed(0))
-    rows = moe_math._SortedPairs(ids, E)
-    src = torch.randn(T, H)
-    want = rows.gather(src)
-    calls = []
-
-    def fake(name, device):
-        if name == "moe_scatter_rows":
-            return lambda *a: calls.append(("scatter",) + a) or reply
-        if name == "moe_gather_rows":
-            return lambda t, index, dtype: calls.append(("gather", t, index, dtype)) or want.to(dtype or t.dtype)
-        return None
-
-    monkeypatch.setattr(dispatch, "row_kernel", fake)
-    reply = torch.zeros(1)
-    assert rows.gather(src, dtype=torch.float16) is reply
-    (call,) = calls
-    assert call[0] == "scatter" and call[1] is src and call[2] is rows.row and call[3] is rows.token
-    assert call[4] is rows.pair and call[5] == torch.float16
-    calls.clear()
-    reply = None  # declined: the gather runs
-    assert torch.equal(rows.gather(src), want)
-    assert [c[0] for c in calls] == ["scatter", "gather"] and calls[1][2] is rows.token
-    calls.clear()
-    rows.gather(torch.randn(T * k), rows.pair)
-    rows.gather(torch.randn(T + 1, H), rows.token)
-    assert [c[0] for c in calls] == ["gather", "gather"]
-
-    monkeypatch.delenv(moe_ops.ROW_GATHER_ENV, raising=False)
-    kosmos.reset_report()
-    assert moe_ops.scatter_rows(src, rows.row, rows.token, rows.pair, None) is None
-    assert ("row_gather", "moe_gather_rows", "KOSMOS_ROW_GATHER=gather (default)") in kosmos.report().runtime
-    monkeypatch.setenv(moe_ops.ROW_GATHER_ENV, "scatter")
-    with pytest.raises(ValueError, match="contiguous CUDA"):  # the kernel's boundary check, on CPU tensors
-        moe_ops.scatter_rows(src, rows.row, rows.token, rows.pair, None)
-    assert ("row_gather", "moe_scatter_rows", "KOSMOS_ROW_GATHER=scatter") in kosmos.report().runtime
-    monkeypatch.setenv(moe_ops.ROW_GATHER_ENV, "both")
-    with pytest.raises(ValueError, match="KOSMOS_ROW_GATHER='both'"):
-        moe_ops.scatter_rows(src, rows.row, rows.token, rows.pair, None)
 
 
 def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch):

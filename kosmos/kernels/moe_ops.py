@@ -577,23 +577,6 @@ def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> 
     return gemm_ws_host.launch_grouped_wgrad(a, b, ends, config=config)
 
 
-ROW_GATHER_ENV = "KOSMOS_ROW_GATHER"
-
-
-def scatter_rows(src: torch.Tensor, row: torch.Tensor, token: torch.Tensor, pair: torch.Tensor,
-                 dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
-    """The reference's gather of token rows into expert-sorted rows by moe_rows.scatter_rows (each token row read
-    once, written to its pairs' rows), or None (the caller runs moe_rows.gather_rows: the same bits).
-    KOSMOS_ROW_GATHER: gather (default) or scatter. The report records which ran."""
-    from kosmos.kernels import moe_rows
-
-    if env_choice(ROW_GATHER_ENV, ("gather", "scatter"), "gather") == "gather":
-        record_run("row_gather", "moe_gather_rows", f"{ROW_GATHER_ENV}=gather (default)")
-        return None
-    record_run("row_gather", "moe_scatter_rows", f"{ROW_GATHER_ENV}=scatter")
-    return moe_rows.scatter_rows(src, row, token, pair, dtype)
-
-
 def router_rows_logits(hidden: torch.Tensor, router_weight: torch.Tensor,
                        router_bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The reference forward's fp32 router logits on bf16 hidden states by kosmos.kernels.router_gemm when it takes
@@ -639,7 +622,6 @@ def register() -> None:
     dispatch.register_row_kernel("moe_swiglu_rows_backward", moe_rows.swiglu_rows_backward)
     dispatch.register_row_kernel("moe_fold", moe_rows.fold)
     dispatch.register_row_kernel("moe_gather_rows", moe_rows.gather_rows)
-    dispatch.register_row_kernel("moe_scatter_rows", scatter_rows)
     dispatch.register_row_kernel("moe_sorted_pairs", moe_pairs.sorted_pairs)
     dispatch.register_row_kernel("moe_grouped_mm", grouped_rows_mm)
     dispatch.register_row_kernel("moe_grouped_mm_swiglu", grouped_rows_mm_swiglu)

@@ -11,8 +11,6 @@ math for other devices.
         d_au = grad_out rows @ down_proj[e] (unweighted): d_act = d_au * w, d_h = d SwiGLU, d_w = <d_au, act>
     gather_rows(src, index, dtype) -> [len(index), ...]: src[index[r]] cast to dtype, zero where index[r] is out
         of src's rows (the pad rows' sentinel): index_select + index_fill_ + cast in one pass
-    scatter_rows(src, row, token, pair, dtype) -> [len(token), ...]: gather_rows(src, token, dtype), the same bits,
-        by the sorted pairs' inverse map: each row of src read once and stored at its pairs' rows (row)
     fold(rows, row, weights=None, out=None, add=None, dtype=None) -> [T, H]: sum over slots j (in order, fp32) of
         rows[row[t, j]] (* weights[t, j], each product rounded to P = promote(rows, weights)), + add; fp32 out, or
         with weights P (then cast to dtype if given)
@@ -222,76 +220,3 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, dtype: Optional[torch.dt
         grid = (triton.cdiv(index.shape[0], 64), triton.cdiv(C, 256))
         _gather_rows_kernel[grid](src, index, out, index.shape[0], src.shape[0], C, BR=64, BC=256, num_warps=4)
     return out
-
-
-# scatter_rows' (tokens, columns, warps) per program
-SCATTER_TILE = (8, 256, 4)
-LEFT_ROWS = 128  # rows a program of scatter_rows' second part checks
-
-
-@triton.jit
-def _scatter_rows_kernel(src, row, token, pair, out, N, S, R, C, n_left, K: tl.constexpr, BT: tl.constexpr,
-                         BC: tl.constexpr, BL: tl.constexpr):
-    pid = tl.program_id(0)
-    # the first n_left programs: the rows no pair's row points at, pads (zero) and sentinels' rows (gathered);
-    # first in the grid so that the interpreter, running programs in order, would show a pair stored over a pad
-    if pid < n_left:
-        if tl.program_id(1) == 0:
-            rs = pid * BL + tl.arange(0, BL)
-            rmask = rs < R
-            tok = tl.load(token + rs, mask=rmask, other=0).to(tl.int64)
-            p = tl.load(pair + rs, mask=rmask, other=0).to(tl.int64)
-            inside = (p >= 0) & (p < S)
-            pointed = inside & (tl.load(row + p, mask=rmask & inside, other=-1) == rs)
-            left = rmask & ~pointed
-            real = left & (tok >= 0) & (tok < N)
-            for c0 in range(0, C, BC):
-                cols = c0 + tl.arange(0, BC)
-                cmask = cols < C
-                v = tl.load(src + tok[:, None] * C + cols[None, :], mask=real[:, None] & cmask[None, :], other=0.0)
-                tl.store(out + rs.to(tl.int64)[:, None] * C + cols[None, :], v.to(out.dtype.element_ty),
-                         mask=left[:, None] & cmask[None, :])
-    else:  # a tile of src's rows, stored at the rows of each of their pairs
-        cols = tl.program_id(1) * BC + tl.arange(0, BC)
-        cmask = cols < C
-        ts = (pid - n_left) * BT + tl.arange(0, BT)
-        tmask = ts < N
-        t64 = ts.to(tl.int64)
-        v = tl.load(src + t64[:, None] * C + cols[None, :], mask=tmask[:, None] & cmask[None, :], other=0.0)
-        v = v.to(out.dtype.element_ty)
-        for j in tl.static_range(K):
-            r = tl.load(row + t64 * K + j, mask=tmask, other=0).to(tl.int64)
-            # a sentinel pair's row is a pad row (not its token's): the first programs write its own row
-            mine = tmask & (tl.load(token + r, mask=tmask, other=-1) == t64)
-            tl.store(out + r[:, None] * C + cols[None, :], v, mask=mine[:, None] & cmask[None, :])
-
-
-def scatter_rows(src: torch.Tensor, row: torch.Tensor, token: torch.Tensor, pair: torch.Tensor,
-                 dtype: Optional[torch.dtype] = None, tile: tuple = SCATTER_TILE) -> torch.Tensor:
-    """gather_rows(src, token, dtype), the same bits, by the inverse map of the sorted pairs (kosmos.ops.moe_math
-    `_SortedPairs`): row [N * k] the output row of each (token, slot) pair of src's N rows, token [R] and pair [R]
-    the token and pair of each output row. Each row of src is read once and stored at its pairs' rows, where the
-    gather reads it k times, jumping between tokens. The rows no pair's row points at are done row by row: the pads
-    (token N or more) zero, a sentinel pair's row (its `row` is a pad's) its token's row of src. tile: (tokens,
-    columns, warps) of a program."""
-    if not (src.is_cuda and src.is_contiguous() and all(t.is_cuda and t.dim() == 1 and t.is_contiguous()
-                                                        for t in (row, token, pair))):
-        raise ValueError("kosmos moe_rows.scatter_rows: a contiguous CUDA source and 1-d CUDA indices expected")
-    out = torch.empty(token.shape[0], *src.shape[1:], dtype=dtype or src.dtype, device=src.device)
-    if out.numel():
-        launch_scatter_rows(src, row, token, pair, out, tile)
-    return out
-
-
-def launch_scatter_rows(src, row, token, pair, out, tile: tuple = SCATTER_TILE) -> None:
-    """scatter_rows' launch for arguments it has checked (the interpreter test calls it on CPU tensors)."""
-    N, S, R, C = src.shape[0], row.shape[0], token.shape[0], math.prod(src.shape[1:])
-    if pair.shape[0] != R or (S % N if N else S):
-        raise ValueError(f"kosmos moe_rows.scatter_rows: {S} pairs for {N} source rows, {R} tokens and "
-                         f"{pair.shape[0]} pairs of the output rows")
-    k = S // N if N else 0
-    bt, bc, warps = tile
-    n_left = triton.cdiv(R, LEFT_ROWS)
-    grid = (n_left + (triton.cdiv(N, bt) if k else 0), triton.cdiv(C, bc))
-    _scatter_rows_kernel[grid](src, row, token, pair, out, N, S, R, C, n_left, K=max(k, 1), BT=bt, BC=bc,
-                               BL=LEFT_ROWS, num_warps=warps)

@@ -264,7 +264,6 @@ class _SortedPairs:
     `groups` the padded row groups; `gather` puts a tensor's rows in this order."""
 
     def __init__(self, topk_ids: torch.Tensor, num_experts: int):
-        self.num_tokens = topk_ids.shape[0]
         kernel = dispatch.row_kernel("moe_sorted_pairs", topk_ids.device)
         if kernel is not None:  # the same tensors in four launches (the torch math below is about twenty)
             self.counts, self.token, self.pair, self.row, self.pads, ends = kernel(topk_ids.contiguous(), num_experts)
@@ -291,11 +290,6 @@ class _SortedPairs:
                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """t's rows (elements) at `index` (default `token`; `pair` for per-pair tensors) in `dtype` (default t's),
         the pad rows zero: one gather, no copy of t with a zero row appended."""
-        if index is None and t.is_contiguous() and t.shape[0] == self.num_tokens:
-            kernel = dispatch.row_kernel("moe_scatter_rows", t.device)  # each row of t read once
-            out = kernel(t, self.row, self.token, self.pair, dtype) if kernel is not None else None
-            if out is not None:
-                return out
         index = self.token if index is None else index
         kernel = dispatch.row_kernel("moe_gather_rows", t.device)
         if kernel is not None and t.is_contiguous():

@@ -12,7 +12,9 @@ counter; kosmos_mcs: claimed, each tile's rows split between two consumers, what
 grouped_mm.py's. After 2 s of heat, calls run back to back for --seconds while
 `nvidia-smi -lms` samples the SM clock and the board power; the samples of the first 0.5 s are dropped. Printed: ms a
 call (device time over the window), TF/s, median SM clock and power, and TF/s per GHz of SM clock (the work a clock
-cycle does).
+cycle does). --wgrad: the backward's two weight gradients instead (wgrad_workloads), whose FLOPs are the forward's:
+where they run slower, is it the clock (their 22.5 GB of bf16 stores at DeepSeek-V3's size drawing power) or the
+work per clock?
 """
 from __future__ import annotations
 
@@ -107,15 +109,42 @@ def workloads(layer: str, T: int, k: int = 8):
     }
 
 
+def wgrad_workloads(layer: str, T: int, k: int = 8):
+    """name -> (callable, FLOPs of one call): the backward's two weight gradients (d_gate_up = d_h^T x, d_down =
+    g^T act, as grouped_mm.py --wgrad has them) by torch._grouped_mm and by kosmos's grouped_wgrad (the MoE ops'
+    config for these rows), and their stores alone (wgrad_write: both gradients zeroed). Their FLOPs are the
+    forward's up + down, so TF/s per GHz compares with the forward workloads' of another process."""
+    from grouped_mm import wgrad_cases
+    from kosmos.kernels.gemm_ws_host import grouped_wgrad, wgrad_config
+
+    H, I, E = LAYERS[layer]
+    ends = routed_ends(T, E, k, torch.Generator().manual_seed(0)).cuda()
+    S = int(ends[-1])
+    (d_h, x), (g, act) = wgrad_cases(H, I, S, "cuda").values()
+    d_gate_up, d_down = d_h.new_empty(E, 2 * I, H), d_h.new_empty(E, H, I)
+    config = wgrad_config(S, E)
+    flops = 2 * S * H * 2 * I + 2 * S * I * H
+    return {
+        "wgrad_torch": (lambda: (torch._grouped_mm(d_h.t(), x, offs=ends), torch._grouped_mm(g.t(), act, offs=ends)),
+                        flops),
+        "wgrad_kosmos": (lambda: (grouped_wgrad(d_h, x, ends, out=d_gate_up, config=config),
+                                  grouped_wgrad(g, act, ends, out=d_down, config=config)), flops),
+        "wgrad_write": (lambda: (d_gate_up.zero_(), d_down.zero_()), flops),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layer", default="deepseek_v3", choices=sorted(LAYERS))
     p.add_argument("--T", type=int, default=16384)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--impls", default="dense,bmm,torch_grouped,kosmos_m")
+    p.add_argument("--wgrad", action="store_true",
+                   help="the weight gradients' workloads instead (wgrad_torch, wgrad_kosmos, wgrad_write): one "
+                        "process does not hold both sets at DeepSeek-V3's size on an 80 GB card")
     p.add_argument("--json", default="")
     args = p.parse_args()
-    fns = workloads(args.layer, args.T)
+    fns = wgrad_workloads(args.layer, args.T) if args.wgrad else workloads(args.layer, args.T)
     rows = []
     for name in args.impls.split(","):
         if name not in fns:
@@ -126,8 +155,12 @@ def main() -> int:
         tflops = flops / ms / 1e9
         rows.append(dict(impl=name, ms=ms, tflops=tflops, sm_mhz=mhz, watts=watts, samples=n,
                          tflops_per_ghz=tflops / (mhz / 1000)))
-    print(f"{args.layer} T={args.T}: the forward's up + down GEMMs ({fns['dense'][1] / 1e12:.2f} TFLOP a call; "
-          f"bmm {fns['bmm'][1] / 1e12:.2f})")
+    if args.wgrad:
+        print(f"{args.layer} T={args.T}: the two weight gradients ({fns['wgrad_torch'][1] / 1e12:.2f} TFLOP a call; "
+              f"wgrad_write: their stores alone)")
+    else:
+        print(f"{args.layer} T={args.T}: the forward's up + down GEMMs ({fns['dense'][1] / 1e12:.2f} TFLOP a call; "
+              f"bmm {fns['bmm'][1] / 1e12:.2f})")
     print(f"{'impl':>14} | {'ms':>7} | {'TF/s':>6} | {'SM MHz':>6} | {'W':>5} | {'TF/s/GHz':>8} | samples")
     for r in rows:
         print(f"{r['impl']:>14} | {r['ms']:7.3f} | {r['tflops']:6.0f} | {r['sm_mhz']:6.0f} | {r['watts']:5.0f} | "

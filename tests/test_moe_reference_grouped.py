@@ -711,7 +711,7 @@ def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch):
     """The weight gradients' kernel choice: KOSMOS_GROUPED_WGRAD=torch, operands the kernel cannot take (here: no
     sm_90 GPU, or fp32) and, on auto, gradients below WIDE_EXPERT all run torch._grouped_mm with the reason
     recorded; kosmos's kernel runs the two-consumer config up to PINGPONG_MAX_ROWS rows per expert, the wide one
-    above, or the one KOSMOS_WGRAD_CONFIG names, and the report names it; an unknown mode or config is an error."""
+    above, and the report names it; an unknown mode is an error."""
     import kosmos
     from kosmos.kernels import gemm_ws_host
     from kosmos.kernels.moe_ops import WIDE_EXPERT, grouped_rows_wgrad
@@ -750,13 +750,6 @@ def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch):
     grouped_rows_wgrad(many, many[:, :32], ends)
     assert configs == ["128x128pp", "128x256"]
     assert reasons() == [("grouped_wgrad", f"kosmos grouped_wgrad_ws {c}", "supported") for c in configs]
-    monkeypatch.setenv("KOSMOS_WGRAD_CONFIG", "r64x256")  # one config for every size, named in the report
-    grouped_rows_wgrad(a, b, ends)
-    assert configs[-1] == "r64x256" and reasons()[-1][1] == "kosmos grouped_wgrad_ws r64x256"
-    monkeypatch.setenv("KOSMOS_WGRAD_CONFIG", "64x64")
-    with pytest.raises(ValueError, match="KOSMOS_WGRAD_CONFIG"):
-        grouped_rows_wgrad(a, b, ends)
-    monkeypatch.delenv("KOSMOS_WGRAD_CONFIG")
     monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "cutlass")
     with pytest.raises(ValueError, match="KOSMOS_GROUPED_WGRAD"):
         grouped_rows_wgrad(a, b, ends)

@@ -106,32 +106,10 @@ def test_grouped_wgrad_warp_specialized(config):
 
     if gemm_ws_host.gluon_missing():
         pytest.skip(gemm_ws_host.gluon_missing())
-    bm, bn, bk, stages, warps, consumers, _ = gemm_ws_host.WGRAD_CONFIGS[config]
+    bm, bn, bk, stages, warps, consumers = gemm_ws_host.WGRAD_CONFIGS[config]
     k = compile_sm90_gluon(grouped_wgrad_ws.grouped_wgrad_kernel,
                            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, PRODUCER_REGS=40,
                                 CONSUMER_WARPS=warps, NUM_CONSUMERS=consumers, CONSUMER_REGS=232),
-                           dict(ends_ptr="i32"),
-                           dict(a_desc=(torch.bfloat16, (bk, bm)), b_desc=(torch.bfloat16, (bk, bn)),
-                                c_desc=(torch.bfloat16, (bm, bn))),
-                           num_warps=warps)
-    rep = _report(k)
-    assert rep["spill_stores"] == 0, rep["text"]
-    ptx = k.asm["ptx"]
-    assert "setmaxnreg.dec" in ptx and "wgmma.mma_async" in ptx
-    assert k.metadata.shared <= 227 * 1024
-
-
-@pytest.mark.parametrize("config", ["r64x256", "r128x128"])
-def test_grouped_wgrad_resident(config):
-    """B's resident blocks, A's ring and the epilogue buffer fit the 227 KB, without spills or serialized wgmmas."""
-    from kosmos.kernels import gemm_ws_host, grouped_wgrad_resident
-
-    if gemm_ws_host.gluon_missing():
-        pytest.skip(gemm_ws_host.gluon_missing())
-    bm, bn, bk, stages, warps, _, resident = gemm_ws_host.WGRAD_CONFIGS[config]
-    k = compile_sm90_gluon(grouped_wgrad_resident.grouped_wgrad_resident_kernel,
-                           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, KMAX_BLOCKS=resident,
-                                PRODUCER_REGS=40, CONSUMER_WARPS=warps),
                            dict(ends_ptr="i32"),
                            dict(a_desc=(torch.bfloat16, (bk, bm)), b_desc=(torch.bfloat16, (bk, bn)),
                                 c_desc=(torch.bfloat16, (bm, bn))),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from typing import Optional
 
 import torch
@@ -304,14 +303,10 @@ def grouped_config(claim: bool) -> str:
 
 # ------------------------------------------------------------------------------- ragged K (grouped_wgrad_ws.py)
 
-# BM, BN, BK, stages, warps a consumer, consumers, resident K blocks. The "pp" ones have two consumers taking turns
-# by tile, so one's epilogue runs under the other's MMAs. The "r" ones (grouped_wgrad_resident.py) hold a group's
-# block of B in shared memory for groups of at most that many K blocks and stream only A; the longer groups go to
-# RESIDENT_FALLBACK, launched after.
-WGRAD_CONFIGS = {"128x256": (128, 256, 64, 3, 8, 1, 0), "128x128": (128, 128, 64, 4, 4, 1, 0),
-                 "128x128pp": (128, 128, 64, 4, 4, 2, 0), "64x256pp": (64, 256, 64, 3, 4, 2, 0),
-                 "r64x256": (64, 256, 64, 4, 4, 1, 5), "r128x128": (128, 128, 64, 3, 8, 1, 9)}
-RESIDENT_FALLBACK = "128x256"
+# BM, BN, BK, stages, warps a consumer, consumers. The "pp" ones have two consumers taking turns by tile, so one's
+# epilogue runs under the other's MMAs.
+WGRAD_CONFIGS = {"128x256": (128, 256, 64, 3, 8, 1), "128x128": (128, 128, 64, 4, 4, 1),
+                 "128x128pp": (128, 128, 64, 4, 4, 2), "64x256pp": (64, 256, 64, 3, 4, 2)}
 
 # Up to this many rows per group on average, a tile's k-loop is short enough that hiding its epilogue pays more than
 # the wider tile. On the H200 (RESULTS.md, thirty-second session) 128x128pp beat 128x256 on DeepSeek-V3's experts
@@ -321,20 +316,8 @@ PINGPONG_MAX_ROWS = 192
 
 
 def wgrad_config(rows: int, groups: int) -> str:
-    """The WGRAD_CONFIGS entry the MoE ops run for `rows` grouped rows in `groups` groups (KOSMOS_WGRAD_CONFIG
-    names one for every size)."""
-    forced = os.environ.get("KOSMOS_WGRAD_CONFIG")
-    if forced:
-        if forced not in WGRAD_CONFIGS:
-            raise ValueError(f"KOSMOS_WGRAD_CONFIG={forced!r}: expected one of {sorted(WGRAD_CONFIGS)}")
-        return forced
+    """The WGRAD_CONFIGS entry the MoE ops run for `rows` grouped rows in `groups` groups."""
     return "128x128pp" if rows <= PINGPONG_MAX_ROWS * max(groups, 1) else "128x256"
-
-
-def _wgrad_block_m(config: str) -> int:
-    """The row multiple of M a config's launches need (a resident config's fallback launch too)."""
-    block_m = WGRAD_CONFIGS[config][0]
-    return max(block_m, WGRAD_CONFIGS[RESIDENT_FALLBACK][0]) if WGRAD_CONFIGS[config][6] else block_m
 
 
 def grouped_wgrad_unsupported(a: torch.Tensor, b: torch.Tensor, block_m: int = 128) -> Optional[str]:
@@ -357,7 +340,7 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Opt
     """[E, M, N]: out[e] = A[rows of group e]^T @ B[rows of group e] (rows [ends[e-1], ends[e]) of A [S, M] and
     B [S, N]); zeros for a group without rows. ends: int32 [E] on A's device, non-decreasing, ends[-1] <= S (not
     checked: no host sync). Raises ValueError where grouped_wgrad_unsupported says why."""
-    reason = grouped_wgrad_unsupported(a, b, _wgrad_block_m(config))
+    reason = grouped_wgrad_unsupported(a, b, WGRAD_CONFIGS[config][0])
     if reason is not None:
         raise ValueError(f"kosmos grouped_wgrad: {reason}")
     return launch_grouped_wgrad(a, b, ends, out, programs, config)
@@ -368,10 +351,9 @@ def launch_grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, o
     """grouped_wgrad for operands grouped_wgrad_unsupported has already accepted (the ends / out checks still
     run)."""
     from kosmos.kernels.gemm import num_sms
-    from kosmos.kernels.grouped_wgrad_resident import grouped_wgrad_resident_kernel
     from kosmos.kernels.grouped_wgrad_ws import grouped_wgrad_kernel
 
-    BM, BN, BK, stages, warps, consumers, resident = WGRAD_CONFIGS[config]
+    BM, BN, BK, stages, warps, consumers = WGRAD_CONFIGS[config]
     (S, M), N, E = a.shape, b.shape[1], ends.numel()
     if ends.dtype != torch.int32 or ends.dim() != 1 or ends.device != a.device:
         raise ValueError(f"kosmos grouped_wgrad: ends must be int32 [E] on {a.device}, not {ends.dtype} "
@@ -383,25 +365,6 @@ def launch_grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, o
                          f"aligned [{E}, {M}, {N}] {a.dtype}")
     if E == 0 or M == 0 or N == 0:
         return out
-    ends, sms = ends.contiguous(), programs or num_sms(a.device)
-    skip_blocks = -1
-    if resident:
-        items = E * -(-N // BN)
-        grouped_wgrad_resident_kernel[(min(items, sms),)](
-            _descriptor(a, [S, M], a.stride(0), [BK, BM]), _descriptor(b, [S, N], b.stride(0), [BK, BN]),
-            _descriptor(out.view(E * M, N), [E * M, N], N, [BM, BN]), ends, E, M, N, BLOCK_M=BM, BLOCK_N=BN,
-            BLOCK_K=BK, STAGES=stages, KMAX_BLOCKS=resident, PRODUCER_REGS=40, CONSUMER_WARPS=warps,
-            num_warps=warps)
-        skip_blocks = resident
-        BM, BN, BK, stages, warps, consumers, _ = WGRAD_CONFIGS[RESIDENT_FALLBACK]
-    a_desc = _descriptor(a, [S, M], a.stride(0), [BK, BM])
-    b_desc = _descriptor(b, [S, N], b.stride(0), [BK, BN])
-    c_desc = _descriptor(out.view(E * M, N), [E * M, N], N, [BM, BN])
-    tiles = E * (M // BM) * -(-N // BN)
-    grouped_wgrad_kernel[(min(tiles, sms),)](
-        a_desc, b_desc, c_desc, ends, E, M, N, skip_blocks, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=stages,
-        PRODUCER_REGS=40, CONSUMER_WARPS=warps, NUM_CONSUMERS=consumers, CONSUMER_REGS=232, num_warps=warps)
-    return out
     a_desc = _descriptor(a, [S, M], a.stride(0), [BK, BM])
     b_desc = _descriptor(b, [S, N], b.stride(0), [BK, BN])
     c_desc = _descriptor(out.view(E * M, N), [E * M, N], N, [BM, BN])

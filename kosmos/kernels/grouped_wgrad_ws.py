@@ -46,7 +46,7 @@ def _zero_rows_from(buf, first, layout: gl.constexpr, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
-def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N, skip_blocks,
+def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
     nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
     num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -54,19 +54,18 @@ def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M
     it = 0
     for t in range(gl.program_id(0), E * per_group, gl.num_programs(0)):
         e, off_m, off_n, start, end = _tile_rows(t, ends_ptr, num_pid_n, per_group, BLOCK_M, BLOCK_N)
-        if gl.cdiv(gl.maximum(end - start, 0), BLOCK_K) > skip_blocks:
-            for k in range(start, end, BLOCK_K):
-                s = it % STAGES
-                # a fresh barrier counts as released once: the first lap waits on the parity before phase 0
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), nbytes)
-                _tma_load(a_desc, [k, off_m], ready.index(s), a_bufs.index(s))
-                _tma_load(b_desc, [k, off_n], ready.index(s), b_bufs.index(s))
-                it += 1
+        for k in range(start, end, BLOCK_K):
+            s = it % STAGES
+            # a fresh barrier counts as released once: the first lap waits on the parity before phase 0
+            mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            _tma_load(a_desc, [k, off_m], ready.index(s), a_bufs.index(s))
+            _tma_load(b_desc, [k, off_n], ready.index(s), b_bufs.index(s))
+            it += 1
 
 
 @gluon.jit
-def _wgrad_consumer(a_bufs, b_bufs, ready, empty, turns, c_desc, c_smem, ends_ptr, E, M, N, skip_blocks,
+def _wgrad_consumer(a_bufs, b_bufs, ready, empty, turns, c_desc, c_smem, ends_ptr, E, M, N,
                     CONSUMER_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                     BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
     """MMAs and stores every NUM_CONSUMERS-th tile of the program's list, from its CONSUMER-th; the ring's stages of
@@ -83,43 +82,42 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, turns, c_desc, c_smem, ends_pt
     j = 0  # the tile's place in the program's list
     for t in range(gl.program_id(0), E * per_group, gl.num_programs(0)):
         e, off_m, off_n, start, end = _tile_rows(t, ends_ptr, num_pid_n, per_group, BLOCK_M, BLOCK_N)
-        if gl.cdiv(gl.maximum(end - start, 0), BLOCK_K) > skip_blocks:  # else the resident kernel's group
-            if j % NUM_CONSUMERS == CONSUMER:
-                if NUM_CONSUMERS > 1:  # the other consumer's k-loop of tile j - 1 is done: the (j - 1)-th turn
-                    mbarrier.wait(turns.index(CONSUMER), ((j - 1) // 2) & 1, pred=j > 0)
-                acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
-                prev = 0
-                for k in range(start, end, BLOCK_K):
-                    s = it % STAGES
-                    mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                    if k + BLOCK_K > end:  # rows [end, k + BLOCK_K) are the next group's (or TMA's zeros past S)
-                        # zeroed in both blocks: a zero row of one times an inf of the other would be a nan
-                        _zero_rows_from(a_bufs.index(s), end - k, rows_layout, BLOCK_K)
-                        _zero_rows_from(b_bufs.index(s), end - k, rows_layout, BLOCK_K)
-                        fence_async_shared()
-                        _cta_barrier()  # every warp's zeros are in before either warpgroup's MMA reads them
-                    acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
-                    # one MMA stays in flight; the one before it has retired, so its stage goes back to the producer
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    mbarrier.arrive(empty.index(prev), pred=k > start)
-                    prev = s
-                    it += 1
-                if NUM_CONSUMERS > 1:
-                    mbarrier.arrive(turns.index(1 - CONSUMER))
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index(prev), pred=end > start)
-                tma.store_wait(pendings=0)  # this consumer's previous store has read c_smem
-                c_smem.store(acc.to(c_desc.dtype))
-                fence_async_shared()
-                _tma_store(c_desc, [e * M + off_m, off_n], c_smem)
-            else:
-                it += gl.cdiv(gl.maximum(end - start, 0), BLOCK_K)
-            j += 1
+        if j % NUM_CONSUMERS == CONSUMER:
+            if NUM_CONSUMERS > 1:  # the other consumer's k-loop of tile j - 1 is done: the (j - 1)-th turn
+                mbarrier.wait(turns.index(CONSUMER), ((j - 1) // 2) & 1, pred=j > 0)
+            acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=acc_layout)
+            prev = 0
+            for k in range(start, end, BLOCK_K):
+                s = it % STAGES
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                if k + BLOCK_K > end:  # rows [end, k + BLOCK_K) are the next group's (or TMA's zeros past S)
+                    # zeroed in both blocks: a zero row of one times an inf of the other would be a nan
+                    _zero_rows_from(a_bufs.index(s), end - k, rows_layout, BLOCK_K)
+                    _zero_rows_from(b_bufs.index(s), end - k, rows_layout, BLOCK_K)
+                    fence_async_shared()
+                    _cta_barrier()  # every warp's zeros are in before either warpgroup's MMA reads them
+                acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+                # one MMA stays in flight; the one before it has retired, so its stage goes back to the producer
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                mbarrier.arrive(empty.index(prev), pred=k > start)
+                prev = s
+                it += 1
+            if NUM_CONSUMERS > 1:
+                mbarrier.arrive(turns.index(1 - CONSUMER))
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(prev), pred=end > start)
+            tma.store_wait(pendings=0)  # this consumer's previous store has read c_smem
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            _tma_store(c_desc, [e * M + off_m, off_n], c_smem)
+        else:
+            it += gl.cdiv(gl.maximum(end - start, 0), BLOCK_K)
+        j += 1
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def grouped_wgrad_kernel(a_desc, b_desc, c_desc, ends_ptr, E, M, N, skip_blocks,
+def grouped_wgrad_kernel(a_desc, b_desc, c_desc, ends_ptr, E, M, N,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                          PRODUCER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr):
@@ -127,8 +125,7 @@ def grouped_wgrad_kernel(a_desc, b_desc, c_desc, ends_ptr, E, M, N, skip_blocks,
     default partition; a one-warp producer and, with NUM_CONSUMERS = 2, a second consumer of CONSUMER_REGS registers
     a thread are the workers: the two take turns by tile, so one's epilogue runs under the other's MMAs). a_desc over
     A [S, M] block [BLOCK_K, BLOCK_M]; b_desc over B [S, N] block [BLOCK_K, BLOCK_N]; c_desc over out as [E * M, N]
-    block [BLOCK_M, BLOCK_N]; M a multiple of BLOCK_M (a tile never reaches the next group's rows of out).
-    skip_blocks: groups of at most this many K blocks are left out (grouped_wgrad_resident's; -1 leaves none)."""
+    block [BLOCK_M, BLOCK_N]; M a multiple of BLOCK_M (a tile never reaches the next group's rows of out)."""
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
@@ -142,9 +139,9 @@ def grouped_wgrad_kernel(a_desc, b_desc, c_desc, ends_ptr, E, M, N, skip_blocks,
     if NUM_CONSUMERS == 1:
         gl.warp_specialize([  # (`ready` stands in for the turns' barriers, which one consumer does not use)
             (_wgrad_consumer, (a_bufs, b_bufs, ready, empty, ready, c_desc, c_bufs.index(0), ends_ptr, E, M, N,
-                               skip_blocks, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, NUM_CONSUMERS)),
-            (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N, skip_blocks, BLOCK_M,
-                               BLOCK_N, BLOCK_K, STAGES)),
+                               CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, NUM_CONSUMERS)),
+            (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N, BLOCK_M, BLOCK_N,
+                               BLOCK_K, STAGES)),
         ], [1], [PRODUCER_REGS])
     else:
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -152,11 +149,11 @@ def grouped_wgrad_kernel(a_desc, b_desc, c_desc, ends_ptr, E, M, N, skip_blocks,
         mbarrier.init(turns.index(1), count=1)
         gl.warp_specialize([
             (_wgrad_consumer, (a_bufs, b_bufs, ready, empty, turns, c_desc, c_bufs.index(0), ends_ptr, E, M, N,
-                               skip_blocks, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, NUM_CONSUMERS)),
+                               CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, NUM_CONSUMERS)),
             (_wgrad_consumer, (a_bufs, b_bufs, ready, empty, turns, c_desc, c_bufs.index(1), ends_ptr, E, M, N,
-                               skip_blocks, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, NUM_CONSUMERS)),
-            (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N, skip_blocks, BLOCK_M,
-                               BLOCK_N, BLOCK_K, STAGES)),
+                               CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, NUM_CONSUMERS)),
+            (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N, BLOCK_M, BLOCK_N,
+                               BLOCK_K, STAGES)),
         ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(turns.index(0))
         mbarrier.invalidate(turns.index(1))

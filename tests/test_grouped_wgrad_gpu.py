@@ -22,13 +22,18 @@ def operands(sizes, M, N, dtype=torch.bfloat16, extra_rows=5, seed=0):
     return a, b, torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
 
 
+@pytest.mark.parametrize("tail", ["tma", "zero"])
 @pytest.mark.parametrize("config", list(WGRAD_CONFIGS))
 @pytest.mark.parametrize("sizes,M,N", [
     ([0, 1, 63, 64, 65, 200, 0, 7], 256, 384),  # empty, one row, around one K block, N not a multiple of 256
     ([0, 0, 1000, 0], 128, 512),  # every row in one group
     ([3] * 40, 384, 256),  # many groups shorter than a K block
 ])
-def test_groups_match_reference(sizes, M, N, config):
+def test_groups_match_reference(sizes, M, N, config, tail, monkeypatch):
+    """tail: a group's last K block past its rows zeroed in shared memory (the default) or zero-filled by TMA
+    through descriptors over the group's rows built on the device (KOSMOS_WGRAD_TAIL=tma; two-consumer configs
+    keep zeroing)."""
+    monkeypatch.setenv("KOSMOS_WGRAD_TAIL", tail)
     a, b, ends = operands(sizes, M, N)
     out = grouped_wgrad(a, b, ends, config=config)
     start = 0
@@ -45,6 +50,7 @@ def test_groups_match_reference(sizes, M, N, config):
 
 
 def test_fp16_and_moe_sized_groups():
+    """fp16 (the descriptors' element type follows the operands) at a MoE layer's row counts."""
     g = torch.Generator().manual_seed(1)
     sizes = (torch.multinomial(torch.ones(64), 4096, replacement=True, generator=g).bincount(minlength=64)
              + 1).tolist()
@@ -54,13 +60,19 @@ def test_fp16_and_moe_sized_groups():
     assert torch.equal(out, ref)
 
 
-def test_non_finite_rows_of_the_next_group_stay_out():
-    """A group's last K block reads the next group's rows; they are zeroed in A, so an inf there cannot reach
-    this group's gradient through a zero A row (0 * inf would be nan)."""
-    a, b, ends = operands([10, 70], 128, 256)
-    b[10:80] = float("inf")
-    out = grouped_wgrad(a, b, ends)
+@pytest.mark.parametrize("config", ["128x256", "128x128pp"])
+@pytest.mark.parametrize("tail", ["tma", "zero"])
+@pytest.mark.parametrize("operand", ["a", "b"])
+def test_non_finite_rows_of_the_next_group_stay_out(operand, tail, config, monkeypatch):
+    """A group's last K block reaches into the next group's rows; they come in as zeros in both blocks (by TMA past
+    the group's end, or zeroed in shared memory), so an inf there cannot reach this group's gradient through a zero
+    row of the other operand (0 * inf would be nan); the groups after it still get their rows."""
+    monkeypatch.setenv("KOSMOS_WGRAD_TAIL", tail)
+    a, b, ends = operands([10, 70, 3, 0, 130], 256, 512)
+    {"a": a, "b": b}[operand][10:80] = float("inf")
+    out = grouped_wgrad(a, b, ends, config=config)
     assert torch.isfinite(out[0]).all()
+    assert torch.equal(out[2:], torch._grouped_mm(a.t(), b, ends)[2:])
 
 
 def test_errors_name_the_problem():

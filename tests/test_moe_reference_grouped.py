@@ -711,7 +711,8 @@ def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch):
     """The weight gradients' kernel choice: KOSMOS_GROUPED_WGRAD=torch, operands the kernel cannot take (here: no
     sm_90 GPU, or fp32) and, on auto, gradients below WIDE_EXPERT all run torch._grouped_mm with the reason
     recorded; kosmos's kernel runs the two-consumer config up to PINGPONG_MAX_ROWS rows per expert, the wide one
-    above, and the report names it; an unknown mode is an error."""
+    above, and the report names it (and KOSMOS_WGRAD_TAIL=tma where the config takes it); an unknown mode is an
+    error."""
     import kosmos
     from kosmos.kernels import gemm_ws_host
     from kosmos.kernels.moe_ops import WIDE_EXPERT, grouped_rows_wgrad
@@ -750,6 +751,16 @@ def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch):
     grouped_rows_wgrad(many, many[:, :32], ends)
     assert configs == ["128x128pp", "128x256"]
     assert reasons() == [("grouped_wgrad", f"kosmos grouped_wgrad_ws {c}", "supported") for c in configs]
+    monkeypatch.setenv("KOSMOS_WGRAD_TAIL", "tma")  # TMA's zeros past a group's rows: one-consumer configs only
+    grouped_rows_wgrad(a, b, ends)
+    grouped_rows_wgrad(many, many[:, :32], ends)
+    impls = {k[1] for k in reasons()}
+    assert "kosmos grouped_wgrad_ws 128x256 tail tma" in impls and not any("pp tail" in i for i in impls), impls
+    assert configs[-2:] == ["128x128pp", "128x256"]
+    monkeypatch.setenv("KOSMOS_WGRAD_TAIL", "nan")
+    with pytest.raises(ValueError, match="KOSMOS_WGRAD_TAIL"):
+        grouped_rows_wgrad(many, many[:, :32], ends)
+    monkeypatch.delenv("KOSMOS_WGRAD_TAIL")
     monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "cutlass")
     with pytest.raises(ValueError, match="KOSMOS_GROUPED_WGRAD"):
         grouped_rows_wgrad(a, b, ends)

@@ -100,8 +100,9 @@ def test_grouped_warp_specialized(b_trans, m_fastest, claim, config):
     assert k.metadata.shared <= 227 * 1024
 
 
+@pytest.mark.parametrize("tail_by_tma", [True, False], ids=["tail_tma", "tail_zeroed"])
 @pytest.mark.parametrize("config", ["128x256", "128x128", "128x128pp", "64x256pp"])
-def test_grouped_wgrad_warp_specialized(config):
+def test_grouped_wgrad_warp_specialized(config, tail_by_tma):
     from kosmos.kernels import gemm_ws_host, grouped_wgrad_ws
 
     if gemm_ws_host.gluon_missing():
@@ -109,8 +110,9 @@ def test_grouped_wgrad_warp_specialized(config):
     bm, bn, bk, stages, warps, consumers = gemm_ws_host.WGRAD_CONFIGS[config]
     k = compile_sm90_gluon(grouped_wgrad_ws.grouped_wgrad_kernel,
                            dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, PRODUCER_REGS=40,
-                                CONSUMER_WARPS=warps, NUM_CONSUMERS=consumers, CONSUMER_REGS=232),
-                           dict(ends_ptr="i32"),
+                                CONSUMER_WARPS=warps, NUM_CONSUMERS=consumers, CONSUMER_REGS=232,
+                                TAIL_BY_TMA=tail_by_tma),
+                           dict(ends_ptr="i32", a_ptr=BF, b_ptr=BF),
                            dict(a_desc=(torch.bfloat16, (bk, bm)), b_desc=(torch.bfloat16, (bk, bn)),
                                 c_desc=(torch.bfloat16, (bm, bn))),
                            num_warps=warps)

@@ -46,28 +46,71 @@ def _zero_rows_from(buf, first, layout: gl.constexpr, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
-def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+def _wait_load_landed(ready, j, it, STAGES: gl.constexpr):
+    """Waits until load j of the ring has landed, where it may not have: it is among the last STAGES of the `it`
+    issued (an older one's stage has been refilled, so it landed; and its barrier's parity would be ambiguous)."""
+    mbarrier.wait(ready.index(j % STAGES), (j // STAGES) & 1, pred=(j >= 0) & (it - j <= STAGES))
+
+
+@gluon.jit
+def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N, a_ptr, b_ptr, lda, ldb,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                    TAIL_BY_TMA: gl.constexpr):
+    """TAIL_BY_TMA: a tile's last K block is loaded through descriptors over the rows up to the group's end, built
+    on the device at each change of group, so TMA fills the rows past it with zeros and the consumer zeroes
+    nothing. Two pairs of descriptors take turns by group, and a pair is rebuilt only after the last load through it
+    has landed, which is usually long before: the ring does not drain at a change of group."""
     nbytes: gl.constexpr = (BLOCK_M + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
     num_pid_n = gl.cdiv(N, BLOCK_N)
     per_group = (M // BLOCK_M) * num_pid_n
     it = 0
+    group = -1
+    slot = 1
+    last0 = -1  # the ring index of the last load through each pair
+    last1 = -1
+    a_g0 = a_desc
+    b_g0 = b_desc
+    a_g1 = a_desc
+    b_g1 = b_desc
     for t in range(gl.program_id(0), E * per_group, gl.num_programs(0)):
         e, off_m, off_n, start, end = _tile_rows(t, ends_ptr, num_pid_n, per_group, BLOCK_M, BLOCK_N)
+        if TAIL_BY_TMA:
+            if e != group and end > start:  # (a group without rows loads nothing)
+                slot = 1 - slot
+                if slot == 0:
+                    _wait_load_landed(ready, last0, it, STAGES)
+                    a_g0 = tma.make_tensor_descriptor(a_ptr, [end, M], [lda, 1], [BLOCK_K, BLOCK_M], a_desc.layout)
+                    b_g0 = tma.make_tensor_descriptor(b_ptr, [end, N], [ldb, 1], [BLOCK_K, BLOCK_N], b_desc.layout)
+                else:
+                    _wait_load_landed(ready, last1, it, STAGES)
+                    a_g1 = tma.make_tensor_descriptor(a_ptr, [end, M], [lda, 1], [BLOCK_K, BLOCK_M], a_desc.layout)
+                    b_g1 = tma.make_tensor_descriptor(b_ptr, [end, N], [ldb, 1], [BLOCK_K, BLOCK_N], b_desc.layout)
+                group = e
         for k in range(start, end, BLOCK_K):
             s = it % STAGES
             # a fresh barrier counts as released once: the first lap waits on the parity before phase 0
             mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), nbytes)
-            _tma_load(a_desc, [k, off_m], ready.index(s), a_bufs.index(s))
-            _tma_load(b_desc, [k, off_n], ready.index(s), b_bufs.index(s))
+            if TAIL_BY_TMA and k + BLOCK_K > end:  # only the last block goes through the group's descriptors (each
+                if slot == 0:                      # use of a device-built one starts with a proxy fence)
+                    _tma_load(a_g0, [k, off_m], ready.index(s), a_bufs.index(s))
+                    _tma_load(b_g0, [k, off_n], ready.index(s), b_bufs.index(s))
+                    last0 = it
+                else:
+                    _tma_load(a_g1, [k, off_m], ready.index(s), a_bufs.index(s))
+                    _tma_load(b_g1, [k, off_n], ready.index(s), b_bufs.index(s))
+                    last1 = it
+            else:
+                _tma_load(a_desc, [k, off_m], ready.index(s), a_bufs.index(s))
+                _tma_load(b_desc, [k, off_n], ready.index(s), b_bufs.index(s))
             it += 1
 
 
 @gluon.jit
 def _wgrad_consumer(a_bufs, b_bufs, ready, empty, turns, c_desc, c_smem, ends_ptr, E, M, N,
                     CONSUMER_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CONSUMER: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                    TAIL_BY_TMA: gl.constexpr):
     """MMAs and stores every NUM_CONSUMERS-th tile of the program's list, from its CONSUMER-th; the ring's stages of
     the other consumer's tiles are counted past (the producer fills the ring in list order). With two consumers
     their k-loops take turns (turns: one mbarrier each, arrived on by the other when its k-loop is done), so one's
@@ -90,7 +133,8 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, turns, c_desc, c_smem, ends_pt
             for k in range(start, end, BLOCK_K):
                 s = it % STAGES
                 mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                if k + BLOCK_K > end:  # rows [end, k + BLOCK_K) are the next group's (or TMA's zeros past S)
+                # rows [end, k + BLOCK_K) are the next group's (or TMA's zeros past S)
+                if not TAIL_BY_TMA and k + BLOCK_K > end:
                     # zeroed in both blocks: a zero row of one times an inf of the other would be a nan
                     _zero_rows_from(a_bufs.index(s), end - k, rows_layout, BLOCK_K)
                     _zero_rows_from(b_bufs.index(s), end - k, rows_layout, BLOCK_K)
@@ -117,10 +161,10 @@ def _wgrad_consumer(a_bufs, b_bufs, ready, empty, turns, c_desc, c_smem, ends_pt
 
 
 @gluon.jit
-def grouped_wgrad_kernel(a_desc, b_desc, c_desc, ends_ptr, E, M, N,
+def grouped_wgrad_kernel(a_desc, b_desc, c_desc, ends_ptr, E, M, N, a_ptr, b_ptr, lda, ldb,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                          PRODUCER_REGS: gl.constexpr, CONSUMER_WARPS: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr):
+                         CONSUMER_REGS: gl.constexpr, TAIL_BY_TMA: gl.constexpr):
     """out[e] = A_e^T @ B_e for every group; grid <= #SMs, num_warps = CONSUMER_WARPS (the first consumer is the
     default partition; a one-warp producer and, with NUM_CONSUMERS = 2, a second consumer of CONSUMER_REGS registers
     a thread are the workers: the two take turns by tile, so one's epilogue runs under the other's MMAs). a_desc over
@@ -139,9 +183,9 @@ def grouped_wgrad_kernel(a_desc, b_desc, c_desc, ends_ptr, E, M, N,
     if NUM_CONSUMERS == 1:
         gl.warp_specialize([  # (`ready` stands in for the turns' barriers, which one consumer does not use)
             (_wgrad_consumer, (a_bufs, b_bufs, ready, empty, ready, c_desc, c_bufs.index(0), ends_ptr, E, M, N,
-                               CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, NUM_CONSUMERS)),
-            (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N, BLOCK_M, BLOCK_N,
-                               BLOCK_K, STAGES)),
+                               CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, NUM_CONSUMERS, TAIL_BY_TMA)),
+            (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N, a_ptr, b_ptr, lda,
+                               ldb, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, TAIL_BY_TMA)),
         ], [1], [PRODUCER_REGS])
     else:
         turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -149,11 +193,11 @@ def grouped_wgrad_kernel(a_desc, b_desc, c_desc, ends_ptr, E, M, N,
         mbarrier.init(turns.index(1), count=1)
         gl.warp_specialize([
             (_wgrad_consumer, (a_bufs, b_bufs, ready, empty, turns, c_desc, c_bufs.index(0), ends_ptr, E, M, N,
-                               CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, NUM_CONSUMERS)),
+                               CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, NUM_CONSUMERS, TAIL_BY_TMA)),
             (_wgrad_consumer, (a_bufs, b_bufs, ready, empty, turns, c_desc, c_bufs.index(1), ends_ptr, E, M, N,
-                               CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, NUM_CONSUMERS)),
-            (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N, BLOCK_M, BLOCK_N,
-                               BLOCK_K, STAGES)),
+                               CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, NUM_CONSUMERS, TAIL_BY_TMA)),
+            (_wgrad_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N, a_ptr, b_ptr, lda,
+                               ldb, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, TAIL_BY_TMA)),
         ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
         mbarrier.invalidate(turns.index(0))
         mbarrier.invalidate(turns.index(1))

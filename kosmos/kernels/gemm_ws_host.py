@@ -324,7 +324,7 @@ def wgrad_tail(config: str) -> str:
     """How a config's kernel clears a group's last K block past the group's rows: "zero" (the default: zeroed in
     shared memory before the MMA) or "tma" (KOSMOS_WGRAD_TAIL=tma, one-consumer configs: loaded through
     descriptors over the group's rows built on the device, which TMA fills past them with zeros). The same bits. On
-    an H100, the kernels alone (RESULTS.md, fifty-first session): DeepSeek-V3's gradients 5-10% faster with "tma" at
+    an H100, the kernels alone (RESULTS.md, fifty-first session): DeepSeek-V3's gradients 4-10% faster with "tma" at
     T = 8192 and 0.1% slower to 6% faster at 16384, Qwen3-235B's gate_up 1-10% slower; two consumers 6-31% slower,
     so they keep "zero". Not yet timed in a layer."""
     from kosmos.kernels.moe_ops import env_choice

@@ -15,6 +15,14 @@ and 3.23 / 4.85 / 7.16 against 3.42 / 4.56 / 7.56 (down), where writing the grad
 With NUM_CONSUMERS = 2 (thirty-second session), two consumers take alternate tiles and their k-loops take turns,
 so one's store runs under the other's MMAs: at 4096 / 8192 tokens (129 / 257 rows per expert) 6.53 / 9.59 ms
 against 6.76 / 9.83 for the one-consumer 128x256 (gate_up), at 16384 slower (15.47 against 14.97).
+
+The zeroing costs: without it (a probe, wrong where the next group's rows are not finite) DeepSeek-V3's gradients at
+8192 tokens ran 6-10% faster on an H100, while dropping the stores changed nothing there (fifty-first session).
+TAIL_BY_TMA (opt-in, KOSMOS_WGRAD_TAIL=tma, one consumer): the producer loads a tile's last K block through
+descriptors over the rows up to the group's end, built on the device when the group changes, so TMA fills the rows
+past it with zeros and nothing is zeroed in shared memory; the same bits. Faster on DeepSeek-V3's gradients at 8192
+tokens, slower on Qwen3-235B's gate_up (why is not measured; each use of a device-built descriptor starts with
+a proxy fence, and each change of group builds two).
 """
 from __future__ import annotations
 

@@ -81,7 +81,10 @@ def build_block(layer: str, device, dtype, tiny: bool = False):
         block = block_cls(cfg)
     for p in block.parameters():  # HF init leaves some at zero or empty: never time on zeros
         with torch.no_grad():
-            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+            # experts' weights of over 1 GB a slice of experts at a time: DeepSeek-V3's 30 GB fp32 temporary beside
+            # its fp32 block does not fit an 80 GB card (smaller ones are drawn as before, the same values)
+            for part in (p.split(8) if p.numel() * p.element_size() > 2**30 else (p,)):
+                part.copy_(torch.randn_like(part) / p.shape[-1] ** 0.5)
     bias = getattr(getattr(block, "gate", None), "e_score_correction_bias", None)
     if bias is not None:
         with torch.no_grad():

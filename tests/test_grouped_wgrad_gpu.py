@@ -30,9 +30,9 @@ def operands(sizes, M, N, dtype=torch.bfloat16, extra_rows=5, seed=0):
     ([3] * 40, 384, 256),  # many groups shorter than a K block
 ])
 def test_groups_match_reference(sizes, M, N, config, tail, monkeypatch):
-    """tail: a group's last K block past its rows zeroed in shared memory (the default) or zero-filled by TMA
-    through descriptors over the group's rows built on the device (KOSMOS_WGRAD_TAIL=tma; two-consumer configs
-    keep zeroing)."""
+    """tail: a group's last K block past its rows zeroed in shared memory (KOSMOS_WGRAD_TAIL=zero) or zero-filled
+    by TMA through descriptors over the group's rows built on the device (=tma; two-consumer configs keep
+    zeroing)."""
     monkeypatch.setenv("KOSMOS_WGRAD_TAIL", tail)
     a, b, ends = operands(sizes, M, N)
     out = grouped_wgrad(a, b, ends, config=config)

@@ -711,8 +711,8 @@ def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch):
     """The weight gradients' kernel choice: KOSMOS_GROUPED_WGRAD=torch, operands the kernel cannot take (here: no
     sm_90 GPU, or fp32) and, on auto, gradients below WIDE_EXPERT all run torch._grouped_mm with the reason
     recorded; kosmos's kernel runs the two-consumer config up to PINGPONG_MAX_ROWS rows per expert, the wide one
-    above, and the report names it (and KOSMOS_WGRAD_TAIL=tma where the config takes it); an unknown mode is an
-    error."""
+    above, and the report names it, with TMA's zeros for a group's last K block (one consumer, up to
+    TAIL_TMA_MAX_ROWS rows per expert, or as KOSMOS_WGRAD_TAIL says); an unknown mode is an error."""
     import kosmos
     from kosmos.kernels import gemm_ws_host
     from kosmos.kernels.moe_ops import WIDE_EXPERT, grouped_rows_wgrad
@@ -749,14 +749,22 @@ def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch):
     grouped_rows_wgrad(a, b, ends)
     many = torch.zeros(gemm_ws_host.PINGPONG_MAX_ROWS * 2 + 1, 128, dtype=torch.bfloat16)
     grouped_rows_wgrad(many, many[:, :32], ends)
-    assert configs == ["128x128pp", "128x256"]
-    assert reasons() == [("grouped_wgrad", f"kosmos grouped_wgrad_ws {c}", "supported") for c in configs]
-    monkeypatch.setenv("KOSMOS_WGRAD_TAIL", "tma")  # TMA's zeros past a group's rows: one-consumer configs only
-    grouped_rows_wgrad(a, b, ends)
+    most = torch.zeros(gemm_ws_host.TAIL_TMA_MAX_ROWS * 2 + 1, 128, dtype=torch.bfloat16)
+    grouped_rows_wgrad(most, most[:, :32], ends)
+    assert configs == ["128x128pp", "128x256", "128x256"]
+    # TMA's zeros past a group's rows: one-consumer configs up to TAIL_TMA_MAX_ROWS rows per group
+    assert [k[1] for k in reasons()] == ["kosmos grouped_wgrad_ws 128x128pp",
+                                         "kosmos grouped_wgrad_ws 128x256 tail tma", "kosmos grouped_wgrad_ws 128x256"]
+    kosmos.reset_report()
+    monkeypatch.setenv("KOSMOS_WGRAD_TAIL", "tma")  # every size, still not with two consumers
+    for rows in (a, most):
+        grouped_rows_wgrad(rows, rows[:, :32], ends)
+    assert [k[1] for k in reasons()] == ["kosmos grouped_wgrad_ws 128x128pp",
+                                         "kosmos grouped_wgrad_ws 128x256 tail tma"]
+    kosmos.reset_report()
+    monkeypatch.setenv("KOSMOS_WGRAD_TAIL", "zero")
     grouped_rows_wgrad(many, many[:, :32], ends)
-    impls = {k[1] for k in reasons()}
-    assert "kosmos grouped_wgrad_ws 128x256 tail tma" in impls and not any("pp tail" in i for i in impls), impls
-    assert configs[-2:] == ["128x128pp", "128x256"]
+    assert [k[1] for k in reasons()] == ["kosmos grouped_wgrad_ws 128x256"]
     monkeypatch.setenv("KOSMOS_WGRAD_TAIL", "nan")
     with pytest.raises(ValueError, match="KOSMOS_WGRAD_TAIL"):
         grouped_rows_wgrad(many, many[:, :32], ends)

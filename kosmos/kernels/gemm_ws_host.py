@@ -320,17 +320,27 @@ def wgrad_config(rows: int, groups: int) -> str:
     return "128x128pp" if rows <= PINGPONG_MAX_ROWS * max(groups, 1) else "128x256"
 
 
-def wgrad_tail(config: str) -> str:
-    """How a config's kernel clears a group's last K block past the group's rows: "zero" (the default: zeroed in
-    shared memory before the MMA) or "tma" (KOSMOS_WGRAD_TAIL=tma, one-consumer configs: loaded through
-    descriptors over the group's rows built on the device, which TMA fills past them with zeros). The same bits. On
-    an H100, the kernels alone (RESULTS.md, fifty-first session): DeepSeek-V3's gradients 4-10% faster with "tma" at
-    T = 8192 and 0.1% slower to 6% faster at 16384, Qwen3-235B's gate_up 1-10% slower; two consumers 6-31% slower,
-    so they keep "zero". Not yet timed in a layer."""
+# Up to this many rows per group on average a one-consumer config has TMA zero-fill a group's last K block (the
+# zeroing in shared memory is a larger share of a short tile). DeepSeek-V3's layer on an H100 (RESULTS.md,
+# fifty-first session): at 257 rows (T = 8192) fwd+bwd 4% faster (44.40 / 44.57 against 46.24 / 46.51 ms, two
+# processes), at 513 rows (T = 16384) 2.4% slower.
+TAIL_TMA_MAX_ROWS = 384
+
+
+def wgrad_tail(config: str, rows: int, groups: int) -> str:
+    """How a config's kernel clears a group's last K block past the group's rows: "zero" (zeroed in shared memory
+    before the MMA) or "tma" (loaded through descriptors over the group's rows built on the device, which TMA fills
+    past them with zeros); the same bits. Two-consumer configs always zero (with TMA's zeros they ran 6-31% slower);
+    one-consumer ones take "tma" up to TAIL_TMA_MAX_ROWS rows per group on average. KOSMOS_WGRAD_TAIL=zero / tma
+    sets it for every size (auto: the rule)."""
     from kosmos.kernels.moe_ops import env_choice
 
-    mode = env_choice("KOSMOS_WGRAD_TAIL", ("zero", "tma"), "zero")
-    return mode if WGRAD_CONFIGS[config][5] == 1 else "zero"
+    mode = env_choice("KOSMOS_WGRAD_TAIL", ("auto", "zero", "tma"), "auto")
+    if WGRAD_CONFIGS[config][5] != 1:
+        return "zero"
+    if mode == "auto":
+        return "tma" if rows <= TAIL_TMA_MAX_ROWS * max(groups, 1) else "zero"
+    return mode
 
 
 def grouped_wgrad_unsupported(a: torch.Tensor, b: torch.Tensor, block_m: int = 128) -> Optional[str]:
@@ -382,7 +392,7 @@ def launch_grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, o
     b_desc = _descriptor(b, [S, N], b.stride(0), [BK, BN])
     c_desc = _descriptor(out.view(E * M, N), [E * M, N], N, [BM, BN])
     tiles = E * (M // BM) * -(-N // BN)
-    tail_by_tma = wgrad_tail(config) == "tma"
+    tail_by_tma = wgrad_tail(config, S, E) == "tma"
     if tail_by_tma:
         runtime.ensure_allocator()
     grouped_wgrad_kernel[(min(tiles, programs or num_sms(a.device)),)](

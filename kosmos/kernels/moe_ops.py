@@ -573,7 +573,7 @@ def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> 
                     "kosmos") is None:
         return None
     config = gemm_ws_host.wgrad_config(a.shape[0], ends.numel())
-    tail = " tail tma" if gemm_ws_host.wgrad_tail(config) == "tma" else ""
+    tail = " tail tma" if gemm_ws_host.wgrad_tail(config, a.shape[0], ends.numel()) == "tma" else ""
     record_run("grouped_wgrad", f"kosmos grouped_wgrad_ws {config}{tail}", "supported")
     return gemm_ws_host.launch_grouped_wgrad(a, b, ends, config=config)
 

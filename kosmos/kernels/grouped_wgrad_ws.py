@@ -62,6 +62,15 @@ def _wait_load_landed(ready, j, it, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _group_descriptors(a_desc, b_desc, a_ptr, b_ptr, end, M, N, lda, ldb):
+    """Device-built descriptors over A's and B's rows [0, end) with a_desc's / b_desc's blocks and layouts: TMA
+    fills a block's rows past `end` (the group's) with zeros."""
+    a_g = tma.make_tensor_descriptor(a_ptr, [end, M], [lda, 1], a_desc.block_type.shape, a_desc.layout)
+    b_g = tma.make_tensor_descriptor(b_ptr, [end, N], [ldb, 1], b_desc.block_type.shape, b_desc.layout)
+    return a_g, b_g
+
+
+@gluon.jit
 def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M, N, a_ptr, b_ptr, lda, ldb,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                     TAIL_BY_TMA: gl.constexpr):
@@ -86,14 +95,13 @@ def _wgrad_producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, ends_ptr, E, M
         if TAIL_BY_TMA:
             if e != group and end > start:  # (a group without rows loads nothing)
                 slot = 1 - slot
+                # two call sites, so two scratch slots: a descriptor cannot be picked by a runtime index
                 if slot == 0:
                     _wait_load_landed(ready, last0, it, STAGES)
-                    a_g0 = tma.make_tensor_descriptor(a_ptr, [end, M], [lda, 1], [BLOCK_K, BLOCK_M], a_desc.layout)
-                    b_g0 = tma.make_tensor_descriptor(b_ptr, [end, N], [ldb, 1], [BLOCK_K, BLOCK_N], b_desc.layout)
+                    a_g0, b_g0 = _group_descriptors(a_desc, b_desc, a_ptr, b_ptr, end, M, N, lda, ldb)
                 else:
                     _wait_load_landed(ready, last1, it, STAGES)
-                    a_g1 = tma.make_tensor_descriptor(a_ptr, [end, M], [lda, 1], [BLOCK_K, BLOCK_M], a_desc.layout)
-                    b_g1 = tma.make_tensor_descriptor(b_ptr, [end, N], [ldb, 1], [BLOCK_K, BLOCK_N], b_desc.layout)
+                    a_g1, b_g1 = _group_descriptors(a_desc, b_desc, a_ptr, b_ptr, end, M, N, lda, ldb)
                 group = e
         for k in range(start, end, BLOCK_K):
             s = it % STAGES

@@ -745,7 +745,7 @@ def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch):
     kosmos.reset_report()
     monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "kosmos")
     configs = []
-    monkeypatch.setattr(gemm_ws_host, "launch_grouped_wgrad", lambda a, b, ends, config: configs.append(config))
+    monkeypatch.setattr(gemm_ws_host, "launch_grouped_wgrad", lambda a, b, ends, config, tail: configs.append(config))
     grouped_rows_wgrad(a, b, ends)
     many = torch.zeros(gemm_ws_host.PINGPONG_MAX_ROWS * 2 + 1, 128, dtype=torch.bfloat16)
     grouped_rows_wgrad(many, many[:, :32], ends)

@@ -370,9 +370,10 @@ def grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Opt
 
 
 def launch_grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out: Optional[torch.Tensor] = None,
-                         programs: Optional[int] = None, config: str = "128x256") -> torch.Tensor:
+                         programs: Optional[int] = None, config: str = "128x256",
+                         tail: Optional[str] = None) -> torch.Tensor:
     """grouped_wgrad for operands grouped_wgrad_unsupported has already accepted (the ends / out checks still
-    run)."""
+    run); tail: wgrad_tail's answer where the caller has it."""
     from kosmos.kernels.gemm import num_sms
     from kosmos.kernels.grouped_wgrad_ws import grouped_wgrad_kernel
 
@@ -392,7 +393,7 @@ def launch_grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, o
     b_desc = _descriptor(b, [S, N], b.stride(0), [BK, BN])
     c_desc = _descriptor(out.view(E * M, N), [E * M, N], N, [BM, BN])
     tiles = E * (M // BM) * -(-N // BN)
-    tail_by_tma = wgrad_tail(config, S, E) == "tma"
+    tail_by_tma = (tail or wgrad_tail(config, S, E)) == "tma"
     if tail_by_tma:
         runtime.ensure_allocator()
     grouped_wgrad_kernel[(min(tiles, programs or num_sms(a.device)),)](

@@ -573,9 +573,9 @@ def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> 
                     "kosmos") is None:
         return None
     config = gemm_ws_host.wgrad_config(a.shape[0], ends.numel())
-    tail = " tail tma" if gemm_ws_host.wgrad_tail(config, a.shape[0], ends.numel()) == "tma" else ""
-    record_run("grouped_wgrad", f"kosmos grouped_wgrad_ws {config}{tail}", "supported")
-    return gemm_ws_host.launch_grouped_wgrad(a, b, ends, config=config)
+    tail = gemm_ws_host.wgrad_tail(config, a.shape[0], ends.numel())
+    record_run("grouped_wgrad", f"kosmos grouped_wgrad_ws {config}{' tail tma' if tail == 'tma' else ''}", "supported")
+    return gemm_ws_host.launch_grouped_wgrad(a, b, ends, config=config, tail=tail)
 
 
 def router_rows_logits(hidden: torch.Tensor, router_weight: torch.Tensor,

@@ -47,10 +47,14 @@ def _source(source_cls, fn, constexprs: dict, pointers: dict, descriptors: dict,
 
 
 def _compile(src, **options):
+    """triton.compile for sm_90 with the options every kosmos launch passes (runtime.COMPILE_OPTIONS), so the build
+    is the one that runs."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
 
-    return triton_compile(src, target=GPUTarget("cuda", 90, 128), options=options)
+    from kosmos.kernels import runtime
+
+    return triton_compile(src, target=GPUTarget("cuda", 90, 128), options={**runtime.COMPILE_OPTIONS, **options})
 
 
 def compile_sm90(fn, constexprs: dict, pointers: dict, descriptors: Optional[dict] = None, int64=(), floats=(),

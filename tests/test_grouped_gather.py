@@ -54,7 +54,7 @@ def test_gathered_launch_arguments(monkeypatch, config, claim):
     rows as the kernel's src / idx, T, S and the row stride in 16-byte units; h and act have a row per index; the
     launch without rows passes GATHER off."""
     gemm_ws_host = _gluon_or_skip()
-    from kosmos.kernels import grouped_ws
+    from kosmos.kernels import grouped_ws, runtime
 
     names = grouped_ws.grouped_ws_kernel.arg_names
     seen = _catch(monkeypatch)
@@ -64,6 +64,7 @@ def test_gathered_launch_arguments(monkeypatch, config, claim):
     assert h.shape == (300, 512) and act.shape == (300, 256)
     kwargs = dict(seen["kwargs"])
     assert kwargs.pop("num_warps") == gemm_ws_host.GROUPED_CONFIGS[config]["CONSUMER_WARPS"]
+    assert {k: kwargs.pop(k, None) for k in runtime.COMPILE_OPTIONS} == runtime.COMPILE_OPTIONS
     assert set(kwargs) <= set(names) and kwargs["GATHER"] is True and kwargs["SWIGLU"] is True
     assert kwargs["PRODUCER_REGS"] == gemm_ws_host.GATHER_PRODUCER_REGS
     args = dict(zip(names, seen["args"]))

@@ -151,7 +151,7 @@ def test_swiglu_launch_arguments(monkeypatch, config, claim):
     """launch_grouped_mm_swiglu's call: every keyword a parameter of the kernel, SWIGLU on, half-width B and C
     blocks, h [S, 2I] and act [S, I] (act_dtype) the kernel's C and act; launch_grouped_mm passes SWIGLU=False."""
     gemm_ws_host = _gluon_or_skip()
-    from kosmos.kernels import grouped_ws
+    from kosmos.kernels import grouped_ws, runtime
 
     names = grouped_ws.grouped_ws_kernel.arg_names
     seen = _catch(monkeypatch)
@@ -161,6 +161,7 @@ def test_swiglu_launch_arguments(monkeypatch, config, claim):
     assert h.shape == (300, 512) and h.dtype == a.dtype and act.shape == (300, 256) and act.dtype == torch.float32
     kwargs = dict(seen["kwargs"])
     assert kwargs.pop("num_warps") == gemm_ws_host.GROUPED_CONFIGS[config]["CONSUMER_WARPS"]
+    assert {k: kwargs.pop(k, None) for k in runtime.COMPILE_OPTIONS} == runtime.COMPILE_OPTIONS
     assert set(kwargs) <= set(names) and kwargs["SWIGLU"] is True and kwargs["CLAIM"] == claim
     assert seen["grid"] == (5,)
     args = dict(zip(names, seen["args"]))

@@ -367,10 +367,14 @@ def _catch_launch(monkeypatch, module, kernel_name: str) -> dict:
 
 
 def _kernel_keywords(kernel, seen: dict) -> dict:
-    """The recorded call's keyword arguments (num_warps taken out), checked against the kernel's parameters: each
-    one of them, and every parameter without a default given, positionally or by keyword."""
+    """The recorded call's keyword arguments (num_warps and runtime.COMPILE_OPTIONS, which it must pass, taken out),
+    checked against the kernel's parameters: each one of them, and every parameter without a default given,
+    positionally or by keyword."""
+    from kosmos.kernels import runtime
+
     kwargs = dict(seen["kwargs"])
     kwargs.pop("num_warps")
+    assert {k: kwargs.pop(k, None) for k in runtime.COMPILE_OPTIONS} == runtime.COMPILE_OPTIONS
     names = kernel.arg_names
     assert set(kwargs) <= set(names), set(kwargs) - set(names)
     defaults = {p.name for p in kernel.params if p.default is not inspect.Parameter.empty}

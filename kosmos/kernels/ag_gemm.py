@@ -451,7 +451,7 @@ def launch(ws: runtime.Workspace, rank_base: int, a: _RankTensor, m: int, K: int
                                               meta["EPILOGUE_TMA"], cfg, remap, gather_local), grid, device, args,
                             meta)
     with ws.lock:
-        ag_gemm_kernel[grid](*args, **meta)
+        ag_gemm_kernel[grid](*args, **meta, **runtime.COMPILE_OPTIONS)
     ws.after_launch()
 
 

@@ -625,5 +625,5 @@ def gemm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None, 
         A_TRANS=lay.a_trans, B_TRANS=lay.b_trans, HAS_BIAS=bias is not None,
         EPILOGUE_SUBTILE=cfg.epilogue_subtile, FLATTEN=cfg.flatten, STREAM_K=plan.sk_tiles > 0,
         DOT_PRECISION="ieee" if precision == "ieee" else "tf32",
-        num_stages=cfg.num_stages, num_warps=cfg.num_warps)
+        num_stages=cfg.num_stages, num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS)
     return c

@@ -265,7 +265,7 @@ def launch(ws: runtime.Workspace, rank_base: int, xs: Sequence[_RankTensor], ks:
     runtime.check_grid_fits(gemm_rs_kernel, ("rs", dtype, out.t.dtype, np_, b_trans, cfg, remap), grid, device,
                             args, meta)
     with ws.lock:
-        gemm_rs_kernel[grid](*args, **meta)
+        gemm_rs_kernel[grid](*args, **meta, **runtime.COMPILE_OPTIONS)
     ws.after_launch()
 
 

@@ -90,7 +90,7 @@ def launch(a, b, bias, c, cfg, lay, plan, ws, cnt, programs: int, **overrides) -
                                 HALF_TAIL=plan.half_tiles > 0, ROW_SPLIT=cfg.ws_split,
                                 **{**dict(CONSUMER_REGS=232, PRODUCER_REGS=40, NUM_CONSUMERS=cfg.ws_consumers,
                                           PRODUCER_WARPS=1, CONSUMER_WARPS=cfg.num_warps), **overrides},
-                                num_warps=cfg.num_warps)
+                                num_warps=cfg.num_warps, **runtime.COMPILE_OPTIONS)
 
 
 # ------------------------------------------------------------------------------------------- grouped (grouped_ws.py)
@@ -193,7 +193,7 @@ def _launch_grouped(a_desc, b_desc, c_desc, c, ldc, ends, E, N, K, act, b_trans,
     grouped_ws_kernel[(programs or num_sms(device),)](
         a_desc, b_desc, c_desc, c, ldc, ends, counter, E, N, K, act, src, rows, *gathered,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest, CLAIM=claim,
-        num_warps=cfg["CONSUMER_WARPS"], **cfg)
+        num_warps=cfg["CONSUMER_WARPS"], **cfg, **runtime.COMPILE_OPTIONS)
 
 
 def _check_ends(ends: torch.Tensor, E: int, a: torch.Tensor, what: str) -> None:
@@ -399,5 +399,5 @@ def launch_grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, o
     grouped_wgrad_kernel[(min(tiles, programs or num_sms(a.device)),)](
         a_desc, b_desc, c_desc, ends.contiguous(), E, M, N, a, b, a.stride(0), b.stride(0), BLOCK_M=BM, BLOCK_N=BN,
         BLOCK_K=BK, STAGES=stages, PRODUCER_REGS=40, CONSUMER_WARPS=warps, NUM_CONSUMERS=consumers,
-        CONSUMER_REGS=232, TAIL_BY_TMA=tail_by_tma, num_warps=warps)
+        CONSUMER_REGS=232, TAIL_BY_TMA=tail_by_tma, num_warps=warps, **runtime.COMPILE_OPTIONS)
     return out

@@ -800,7 +800,7 @@ class _Control:
         the counters are zeroed before it propagates; on a GPU a launch that raises has not started."""
         with self.lock:
             try:
-                kernel[grid](*args, **meta)
+                kernel[grid](*args, **meta, **runtime.COMPILE_OPTIONS)
             except Exception:
                 if runtime.interpreting():
                     self.ctrl.zero_()

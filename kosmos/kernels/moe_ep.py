@@ -509,7 +509,7 @@ def moe_ep_forward(ws: runtime.Workspace, rank_base: int, hidden: torch.Tensor, 
                                                     tuple(sorted((k, str(v)) for k, v in meta_kw.items()))),
                             grid, device, args, meta_kw)
     with ws.lock:
-        moe_ep_forward_kernel[grid](*args, **meta_kw)
+        moe_ep_forward_kernel[grid](*args, **meta_kw, **runtime.COMPILE_OPTIONS)
     ws.after_launch()
     res = (out, logits, tpe)
     if return_routing:

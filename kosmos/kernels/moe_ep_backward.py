@@ -449,6 +449,6 @@ def moe_ep_backward(ws: runtime.Workspace, rank_base: int, grad_out: torch.Tenso
                                                      tuple(sorted((k, str(v)) for k, v in meta_kw.items()))),
                             grid, device, args, meta_kw)
     with ws.lock:
-        moe_ep_backward_kernel[grid](*args, **meta_kw)
+        moe_ep_backward_kernel[grid](*args, **meta_kw, **runtime.COMPILE_OPTIONS)
     ws.after_launch()
     return [d_hidden, d_rw, d_gu, d_down] + ([d_rb] if d_rb is not None else [])

@@ -111,12 +111,14 @@ def sorted_pairs(topk_ids: torch.Tensor, num_experts: int):
     totals = torch.empty(E + 1, dtype=torch.int32, device=device)
     start = torch.empty(E + 1, dtype=torch.int32, device=device)
     if nc:
-        _chunk_counts_kernel[(nc,)](topk_ids, hist, S, E, C=C, BB=BB, num_warps=4)
-        _chunk_offsets_kernel[(triton.cdiv(E + 1, BB),)](hist, totals, nc, E, CB=CB, BB=BB, num_warps=4)
+        _chunk_counts_kernel[(nc,)](topk_ids, hist, S, E, C=C, BB=BB, num_warps=4, **runtime.COMPILE_OPTIONS)
+        _chunk_offsets_kernel[(triton.cdiv(E + 1, BB),)](hist, totals, nc, E, CB=CB, BB=BB, num_warps=4,
+                                                         **runtime.COMPILE_OPTIONS)
     else:
         totals.zero_()
     _group_starts_kernel[(1,)](totals, start, counts, pads, ends, pair, token, S, T, E,
-                               EB=triton.next_power_of_2(E + 1), num_warps=4)
+                               EB=triton.next_power_of_2(E + 1), num_warps=4, **runtime.COMPILE_OPTIONS)
     if nc:
-        _pair_rows_kernel[(nc,)](topk_ids, hist, start, row, pair, token, S, E, k, C=C, num_warps=4)
+        _pair_rows_kernel[(nc,)](topk_ids, hist, start, row, pair, token, S, E, k, C=C, num_warps=4,
+                                 **runtime.COMPILE_OPTIONS)
     return counts, token, pair, row, pads, ends

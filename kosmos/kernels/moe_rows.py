@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kosmos.kernels import runtime
+
 BR = 16  # rows per program
 BC = 256  # columns per step
 # fold's (tokens, columns, warps) per program: of ten tiles, the fastest forward and backward folds on an H200
@@ -64,7 +66,8 @@ def swiglu_rows(h: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.T
     S, I = h.shape[0], h.shape[1] // 2
     act = torch.empty(S, I, dtype=dtype or h.dtype, device=h.device)
     if act.numel():
-        _swiglu_rows_kernel[(triton.cdiv(S, 64), triton.cdiv(I, 256))](h, act, S, I, BR=64, BC=256, num_warps=4)
+        _swiglu_rows_kernel[(triton.cdiv(S, 64), triton.cdiv(I, 256))](h, act, S, I, BR=64, BC=256, num_warps=4,
+                                                                       **runtime.COMPILE_OPTIONS)
     return act
 
 
@@ -127,7 +130,7 @@ def swiglu_rows_backward(h: torch.Tensor, d_au: torch.Tensor, w: torch.Tensor, i
     if S:
         _swiglu_rows_backward_kernel[(triton.cdiv(S, BR),)](h, d_au, w, d_h, d_w, d_au if act_w is None else act_w,
                                                             S, I, IN_PLACE=in_place, ACT_W=act_w is not None, BR=BR,
-                                                            BC=BC, num_warps=4)
+                                                            BC=BC, num_warps=4, **runtime.COMPILE_OPTIONS)
     return d_h, d_w
 
 
@@ -192,7 +195,8 @@ def launch_fold(rows, row, weights, add, out, tile: tuple = FOLD_TILE) -> None:
     bt, bh, warps = tile
     _fold_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
         rows, row, weights if weights is not None else rows, add if add is not None else rows, out, T, H, TOP_K=k,
-        HAS_W=weights is not None, ROUND_P=round_p, HAS_ADD=add is not None, BT=bt, BH=bh, num_warps=warps)
+        HAS_W=weights is not None, ROUND_P=round_p, HAS_ADD=add is not None, BT=bt, BH=bh, num_warps=warps,
+        **runtime.COMPILE_OPTIONS)
 
 
 @triton.jit
@@ -218,5 +222,6 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, dtype: Optional[torch.dt
     if out.numel():
         # 64 x 256: the fastest of seven tiles on an H200 (benchmarks/RESULTS.md, fifteenth session)
         grid = (triton.cdiv(index.shape[0], 64), triton.cdiv(C, 256))
-        _gather_rows_kernel[grid](src, index, out, index.shape[0], src.shape[0], C, BR=64, BC=256, num_warps=4)
+        _gather_rows_kernel[grid](src, index, out, index.shape[0], src.shape[0], C, BR=64, BC=256, num_warps=4,
+                                  **runtime.COMPILE_OPTIONS)
     return out

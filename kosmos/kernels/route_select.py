@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kosmos.kernels import runtime
 from kosmos.kernels.moe_route import select_stored_tile
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -41,7 +42,6 @@ def _select_kernel(logits, cb, ids, w, ranks, counts, T, E, rsf, eps, NORM: tl.c
 def unsupported(logits: torch.Tensor, score_correction_bias: Optional[torch.Tensor], top_k: int, scoring: str,
                 n_group: int, topk_group: int, weights_dtype: Optional[torch.dtype]) -> Optional[str]:
     """Why select cannot route on these logits [T, E], or None."""
-    from kosmos.kernels import runtime
     from kosmos.kernels.moe_ops import MAX_EXPERTS, MAX_TOP_K
 
     if logits.dim() != 2 or logits.dtype not in _DTYPES:
@@ -116,5 +116,5 @@ def launch_select(logits: torch.Tensor, score_correction_bias: Optional[torch.Te
     logits = logits.contiguous()
     cb = score_correction_bias.contiguous() if score_correction_bias is not None else logits
     _select_kernel[(tiles,)](logits, cb, ids, weights, ranks, counts, T, E, float(routed_scaling_factor), float(eps),
-                             num_warps=num_warps, **consts)
+                             num_warps=num_warps, **consts, **runtime.COMPILE_OPTIONS)
     return ids, weights

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kosmos.kernels import runtime
 from kosmos.kernels.moe_route import router_gemm_tile_tma
 
 # (tokens, experts, K block, warps, stages) of a tile. Measured on the H200 at DeepSeek-V3's sizes
@@ -28,7 +29,6 @@ CONFIGS = {"wide": (128, 128, 64, 8, 3), "narrow": (64, 128, 64, 4, 3)}
 
 def config(T: int, E: int, device: torch.device) -> tuple:
     """The CONFIGS entry for T tokens and E experts: "wide" where its tiles fill half of the GPU's SMs or more."""
-    from kosmos.kernels import runtime
 
     rbm, rbn = CONFIGS["wide"][:2]
     tiles = triton.cdiv(T, rbm) * triton.cdiv(E, rbn)
@@ -99,5 +99,5 @@ def launch(hidden: torch.Tensor, parts: torch.Tensor, router_bias: Optional[torc
     grid = (triton.cdiv(T, rbm) * triton.cdiv(E, rbn),)
     _router_logits_kernel[grid](xr_desc, wr_desc, router_bias if router_bias is not None else logits, logits, T, H, E,
                                 HAS_RB=router_bias is not None, RBM=rbm, RBN=rbn, BKG=bkg, num_warps=num_warps,
-                                num_stages=num_stages)
+                                num_stages=num_stages, **runtime.COMPILE_OPTIONS)
     return logits

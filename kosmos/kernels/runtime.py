@@ -167,6 +167,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Compile options of every kosmos launch (and of the grid check's warmup). FMA contraction stays on: triton's
+# default up to 3.9, and what every GPU result of kosmos (bit-for-bit tests included) was taken with. triton 3.10
+# turns that default off (3.9 warns of the change when a compile leaves it unset), which would move the kernels'
+# roundings; pinned here, the kernels round the same on every triton. TRITON_FORCE_DISABLE_FP_FUSION still wins.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
+
 def _round_up(x: int, a: int) -> int:
     return -(-x // a) * a
 
@@ -503,7 +510,7 @@ def check_grid_fits(kernel, key, grid: tuple, device: torch.device, args: tuple,
     nb = _max_blocks.get(key)
     if nb is None:
         try:
-            compiled = kernel.warmup(*args, grid=grid, **kwargs)
+            compiled = kernel.warmup(*args, grid=grid, **kwargs, **COMPILE_OPTIONS)
             if hasattr(compiled, "result"):
                 compiled = compiled.result()
             nb = blocks_per_sm(compiled, device)

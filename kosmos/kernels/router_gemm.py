@@ -29,7 +29,6 @@ CONFIGS = {"wide": (128, 128, 64, 8, 3), "narrow": (64, 128, 64, 4, 3)}
 
 def config(T: int, E: int, device: torch.device) -> tuple:
     """The CONFIGS entry for T tokens and E experts: "wide" where its tiles fill half of the GPU's SMs or more."""
-
     rbm, rbn = CONFIGS["wide"][:2]
     tiles = triton.cdiv(T, rbm) * triton.cdiv(E, rbn)
     return CONFIGS["wide" if 2 * tiles >= runtime.num_sms(device) else "narrow"]

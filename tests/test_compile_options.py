@@ -7,6 +7,7 @@ import pathlib
 import re
 
 import pytest
+import torch
 
 from _sm90 import _source, compile_sm90, ptxas_path
 
@@ -61,3 +62,24 @@ def test_contraction_stays_on_when_triton_default_is_off(monkeypatch):
     default_build = triton_compile(src, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=4))
     assert fma.search(kosmos_build.asm["ptx"])
     assert not fma.search(default_build.asm["ptx"])
+
+
+@pytest.mark.gpu
+def test_launched_fold_keeps_its_bits_when_triton_default_is_off(monkeypatch):
+    """On a GPU, the launch path: the weighted fold with fp32 weights (DeepSeek-V3's) gives the same bits under
+    TRITON_DEFAULT_FP_FUSION=0 as without it, since its launch pins contraction on; a launch left to that default
+    would compile again without fma and round each product apart from the sum."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kosmos.kernels import moe_rows
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, k, H = 512, 8, 1024
+    rows = torch.randn(T * k, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    row = torch.randperm(T * k, device="cuda", generator=g).view(T, k)
+    weights = torch.rand(T, k, device="cuda", generator=g)
+    monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
+    ref = moe_rows.fold(rows, row, weights)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    got = moe_rows.fold(rows, row, weights)
+    assert ref.dtype == torch.float32 and torch.equal(got, ref)

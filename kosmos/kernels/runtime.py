@@ -170,7 +170,8 @@ def interpreting() -> bool:
 # Compile options of every kosmos launch (and of the grid check's warmup). FMA contraction stays on: triton's
 # default up to 3.9, and what every GPU result of kosmos (bit-for-bit tests included) was taken with. triton 3.10
 # turns that default off (3.9 warns of the change when a compile leaves it unset), which would move the kernels'
-# roundings; pinned here, the kernels round the same on every triton. TRITON_FORCE_DISABLE_FP_FUSION still wins.
+# roundings; pinned here, the kernels round the same on every triton (TRITON_FORCE_DISABLE_FP_FUSION, from 3.9, still
+# wins).
 COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 

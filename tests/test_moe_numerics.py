@@ -377,10 +377,10 @@ def test_gradient_checkpointing_rewritten_and_matches_eager(name, reentrant):
     _checkpointed(name, "cpu", torch.float32, FP32_TOL, reentrant)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_checkpointing_every_second_layer_rewritten_and_matches_eager(name):
-    """transformers >= 5.25's every_n_layers=2: checkpointed and plain layers in one model."""
-    _checkpointed(name, "cpu", torch.float32, FP32_TOL, False, every_n_layers=2)
+def test_checkpointing_every_second_layer_rewritten_and_matches_eager():
+    """transformers >= 5.25's every_n_layers=2: checkpointed and plain layers in one model (Qwen3-MoE's two MoE
+    layers: the first checkpointed and recomputed, the second not; DeepSeek-V3's proxy has one, not checkpointed)."""
+    _checkpointed("qwen3_moe", "cpu", torch.float32, FP32_TOL, False, every_n_layers=2)
 
 
 @pytest.mark.gpu

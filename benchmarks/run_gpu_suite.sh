@@ -3,7 +3,8 @@
 # the kernels is CPU-bound), then the benchmarks one after another (timings need the GPU alone).
 #   bash benchmarks/run_gpu_suite.sh        (logs under $OUT, default /tmp/kosmos_gpu; short table last)
 # Steps can be left out: SKIP_TESTS=1, SKIP_PASS=1, SKIP_TP=1, SKIP_GEMM=1, SKIP_MOE=1, SKIP_EP=1; GEMM_ARGS / MOE_ARGS /
-# EP_ARGS replace the benchmarks' arguments; PACK=1 leaves the logs in one $OUT/suite_logs.tgz. On the lent machine
+# EP_ARGS replace the benchmarks' arguments; GPU_GROUPS="3 4" runs only those test groups (e.g. again, those a
+# TEST_TIMEOUT stopped); PACK=1 leaves the logs in one $OUT/suite_logs.tgz. On the lent machine
 # carry .whl (expecttest; see README) and start with:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 # NVLink multicast stays off (it can take a host's GPUs out of service).
@@ -23,6 +24,7 @@ rc_gpu=0 rc_pass=0 rc_tp=0 rc_gemm=0 rc_moe=0 rc_ep=0
 # thirteenth, twentieth, forty-second sessions; none failed): for all of them, a call of their own (SKIP_TESTS=1).
 run_group() {  # run_group N pytest-args...: one group in the background, its log tests_gpu_N.log
     local n=$1; shift
+    [ -n "$GPU_GROUPS" ] && [[ " $GPU_GROUPS " != *" $n "* ]] && return
     timeout ${TEST_TIMEOUT:-480} $PYTEST -m gpu "$@" --junitxml="$OUT/junit_gpu_$n.xml" > "$OUT/tests_gpu_$n.log" 2>&1 &
     pids[$n]=$!
     names[$n]="$*"

@@ -5,6 +5,9 @@ allocator's counters over the timed steps (device allocs / frees / retries: nonz
 
     PYTHONPATH=.:benchmarks python3 benchmarks/moe_step_probe.py --layer deepseek_v3 --T 16384
     PYTHONPATH=.:benchmarks python3 benchmarks/moe_step_probe.py --layer qwen3_235b --b-env KOSMOS_GROUPED_SWIGLU=0
+
+--grads: no timing; one step's gradients (input and every parameter) on each side, the B side's and HF eager's
+(--eager) relative error against the A side's, and whether they are bit-equal.
 """
 from __future__ import annotations
 
@@ -43,6 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--b-env", default="KOSMOS_FUSED_MOE=forward", help="NAME=VALUE of the B side (A: NAME unset)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--grads", action="store_true", help="compare one step's gradients instead of timing")
+    p.add_argument("--eager", action="store_true", help="with --grads: HF eager's gradients too")
     args = p.parse_args(argv)
     name, value = args.b_env.split("=", 1)
     block, d = build_block(args.layer, "cuda", torch.bfloat16)
@@ -58,6 +63,8 @@ def main(argv=None) -> int:
         with torch.no_grad():
             f(x)
 
+    if args.grads:
+        return compare_grads(block, f, x, g, params, name, value, args.eager)
     for env in (None, value) * args.rounds:
         with env_var(name, env):
             for _ in range(3):
@@ -79,6 +86,39 @@ def main(argv=None) -> int:
                   f"{sum(kernels.values()):.2f}; " + " ".join(f"{k}={st1[k] - st0[k]}" for k in KEYS), flush=True)
             for kname, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]:
                 print(f"   {v:8.2f} ms  {kname[:100]}")
+    return 0
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| in fp64, a slice at a time (DeepSeek-V3's 15 GB gradient would not fit in fp64 at once)."""
+    num = den = 0.0
+    for sa, sb in zip(a.reshape(-1, a.shape[-1]).split(65536), b.reshape(-1, b.shape[-1]).split(65536)):
+        num += (sa.double() - sb.double()).square().sum().item()
+        den += sb.double().square().sum().item()
+    return (num / max(den, 1e-60)) ** 0.5
+
+
+def compare_grads(block, f, x, g, params, name: str, value: str, eager: bool) -> int:
+    """Prints, per gradient, the B side's (and HF eager's) relative error against the default env's (A's)."""
+    names = ["input"] + [n for n, _ in block.named_parameters()]
+
+    def grads(fn):
+        return [t if t is None else t.detach().clone() for t in torch.autograd.grad(fn(x), params, g,
+                                                                                      allow_unused=True)]
+
+    with env_var(name, None):
+        want = grads(f)
+    sides = [(f"{name}={value}", lambda: grads(f))] + ([("HF eager", lambda: grads(block))] if eager else [])
+    for label, run in sides:
+        with env_var(name, value if label != "HF eager" else None):
+            got = run()
+        for n, a, b in zip(names, got, want):
+            if a is None or b is None:
+                print(f"{label}: {n}: no gradient ({a is None}, {b is None})")
+                continue
+            err = _rel_err(a, b)
+            print(f"{label} vs default: {n}: rel err {err:.2e}, bit-equal {torch.equal(a, b)}", flush=True)
+        del got
     return 0
 
 

@@ -102,12 +102,12 @@ def compare_grads(block, f, x, g, params, name: str, value: str, eager: bool) ->
     """Prints, per gradient, the B side's (and HF eager's) relative error against the default env's (A's)."""
     names = ["input"] + [n for n, _ in block.named_parameters()]
 
-    def grads(fn):
-        return [t if t is None else t.detach().clone() for t in torch.autograd.grad(fn(x), params, g,
-                                                                                      allow_unused=True)]
+    def grads(fn, device=None):
+        return [t if t is None else t.detach().to(device, copy=True)
+                for t in torch.autograd.grad(fn(x), params, g, allow_unused=True)]
 
     with env_var(name, None):
-        want = grads(f)
+        want = grads(f, "cpu")  # (DeepSeek-V3's 22 GB of gradients would not fit twice beside the step)
     sides = [(f"{name}={value}", lambda: grads(f))] + ([("HF eager", lambda: grads(block))] if eager else [])
     for label, run in sides:
         with env_var(name, value if label != "HF eager" else None):
@@ -116,8 +116,10 @@ def compare_grads(block, f, x, g, params, name: str, value: str, eager: bool) ->
             if a is None or b is None:
                 print(f"{label}: {n}: no gradient ({a is None}, {b is None})")
                 continue
+            b = b.to(a.device)
             err = _rel_err(a, b)
             print(f"{label} vs default: {n}: rel err {err:.2e}, bit-equal {torch.equal(a, b)}", flush=True)
+            del b
         del got
     return 0
 

@@ -416,6 +416,7 @@ def _experts_backward_saved_(grad_out, hidden, rows, w_rows, h, gate_up_proj, do
     fused = _dact_swiglu_backward_(g, down_proj, rows.groups, h, w_rows)
     if fused is not None:
         d_h, d_w_rows, act_w = fused
+        del fused  # (the tuple would keep act_w alive past its `del` below, onto the peak)
     else:
         d_au = _grouped_mm(g, down_proj, rows.groups)
         d_h, d_w_rows, act_w = _swiglu_rows_backward_(h, d_au, w_rows)

@@ -14,9 +14,6 @@ SwiGLU epilogue, gemm_ws_host.launch_grouped_mm_swiglu: h and act in one launch)
 gathered from the layer's T tokens by moe_rows.gather_rows, then kosmos_mcs_swiglu: what the reference forward runs)
 and swiglu_gathered (the rows gathered inside the launch, launch_grouped_mm_swiglu(rows=...)); the rows of all of
 them are that gathered copy.
---swiglu-bwd: the backward's d_act GEMM (grad_out rows @ down_proj[e]) in the MoE ops' schedule and config alone
-(dact), then the SwiGLU backward row kernel over the saved up rows (dact_rows), or with the SwiGLU backward in its
-epilogue (dact_swiglu_bwd, gemm_ws_host.launch_grouped_mm_swiglu_backward; d_act never written).
 """
 from __future__ import annotations
 
@@ -104,20 +101,6 @@ def swiglu_impls(a, b, ends, out, src, rows):
             "swiglu_gathered": lambda: launch_grouped_mm_swiglu(src, b, ends, rows=rows, **kw)}
 
 
-def swiglu_bwd_impls(a, b, ends, out, h, w):
-    """The d_act GEMM as the MoE ops run it, alone, with the row kernel after, and with the epilogue (h is
-    overwritten with d_h by both of the last two, every call)."""
-    from kosmos.kernels.gemm_ws_host import grouped_claim, grouped_config, grouped_mm, launch_grouped_mm_swiglu_backward
-    from kosmos.kernels.moe_rows import swiglu_rows_backward
-
-    claim = grouped_claim(a.shape[0], ends.numel())
-    kw = dict(m_fastest=True, claim=claim, config=grouped_config(claim))
-    return {"dact": lambda: grouped_mm(a, b, ends, out=out, **kw),
-            "dact_rows": lambda: swiglu_rows_backward(h, grouped_mm(a, b, ends, out=out, **kw), w, in_place=True,
-                                                      act_w=out),
-            "dact_swiglu_bwd": lambda: launch_grouped_mm_swiglu_backward(a, b, ends, h, w, **kw)}
-
-
 def routed_rows(T: int, ends_cpu: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """int64 source rows of the sorted pairs: each group led by a pad row (T), the rest tokens in [0, T)."""
     sizes = torch.diff(ends_cpu, prepend=ends_cpu.new_zeros(1)).tolist()
@@ -141,17 +124,12 @@ def main() -> int:
                    help="the up GEMM alone with impls kosmos_mcs (the matmul), kosmos_mcs_rows (+ the SwiGLU row "
                         "kernel), kosmos_mcs_swiglu (the SwiGLU epilogue: both in one launch), gather_swiglu (the "
                         "row gather, then the epilogue) and swiglu_gathered (the rows gathered in the launch)")
-    p.add_argument("--swiglu-bwd", action="store_true",
-                   help="the d_act GEMM alone (dact), + the SwiGLU backward row kernel (dact_rows), with it in the "
-                        "epilogue (dact_swiglu_bwd)")
     p.add_argument("--json", default="")
     args = p.parse_args()
     if args.wgrad and args.impls == p.get_default("impls"):
         args.impls = "torch,kosmos,write"
     if args.swiglu and args.impls == p.get_default("impls"):
         args.impls = "kosmos_mcs,kosmos_mcs_rows,kosmos_mcs_swiglu,gather_swiglu,swiglu_gathered"
-    if args.swiglu_bwd and args.impls == p.get_default("impls"):
-        args.impls = "dact,dact_rows,dact_swiglu_bwd"
     gen = torch.Generator().manual_seed(0)
     rows = []
     for layer in args.layers.split(","):
@@ -167,8 +145,6 @@ def main() -> int:
             src, src_rows = torch.randn(args.T, H, device="cuda", dtype=x.dtype), routed_rows(args.T, ends_cpu, gen)
             src_rows = src_rows.cuda()
             gemms = {"up (fwd, K-contig B)": (gather_rows(src, src_rows), b_up)}
-        if args.swiglu_bwd:
-            gemms = {k: v for k, v in gemms.items() if k.startswith("d_act")}
         for name, (a, b) in gemms.items():
             if args.wgrad:  # the sum runs over the rows: K is a group's rows, (M, N) the gradient's shape
                 K, N = a.shape[1], b.shape[1]
@@ -188,17 +164,13 @@ def main() -> int:
                                                           config="128x256s")}
                 if args.swiglu:
                     impls.update(swiglu_impls(a, b, ends, out, src, src_rows))
-                if args.swiglu_bwd:
-                    h = torch.randn(S, 2 * N, device="cuda", dtype=a.dtype)
-                    w = torch.rand(S, device="cuda", dtype=a.dtype)
-                    impls.update(swiglu_bwd_impls(a, b, ends, out, h, w))
             unknown = set(args.impls.split(",")) - set(impls)
             if unknown:
                 raise SystemExit(f"--impls: unknown {sorted(unknown)}; here: {sorted(impls)}")
             impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
             r = {"layer": layer, "T": args.T, "gemm": name, "S": S, "K": K, "N": N, "rounds": {}}
             for impl, fn in impls.items():
-                if impl not in ("torch", "write") and not impl.startswith("dact_"):  # (their bits: the tests)
+                if impl not in ("torch", "write"):
                     res = fn()
                     got = res[0] if isinstance(res, tuple) else out
                     r[f"rel_err_{impl}"] = rel_err(got, ref)

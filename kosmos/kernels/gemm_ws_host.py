@@ -99,14 +99,12 @@ GROUPED_BLOCK = (128, 256, 64)  # BLOCK_M, BLOCK_N, BLOCK_K: ws256_1c's tiles (g
 
 # grouped_ws_kernel's launch configs: "128x256" one 8-warp consumer per tile; "128x256s" the tile's rows split
 # between two 4-warp consumers that release each stage on their own (no CTA barrier across the two warpgroups in
-# the K loop), the lower one skipping its MMAs where its rows are all past the group's end. SWIGLU, GATHER and
-# SWIGLU_BWD stay in every entry (their launchers set them): a build that left one out would take it as a runtime
-# argument.
+# the K loop), the lower one skipping its MMAs where its rows are all past the group's end. SWIGLU and GATHER stay
+# in every entry (launch_grouped_mm_swiglu sets them): a build that left one out would take it as a runtime argument.
 GROUPED_CONFIGS = {
-    "128x256": dict(NUM_CONSUMERS=1, CONSUMER_WARPS=8, CONSUMER_REGS=0, PRODUCER_REGS=40, SWIGLU=False, GATHER=False,
-                    SWIGLU_BWD=False),
+    "128x256": dict(NUM_CONSUMERS=1, CONSUMER_WARPS=8, CONSUMER_REGS=0, PRODUCER_REGS=40, SWIGLU=False, GATHER=False),
     "128x256s": dict(NUM_CONSUMERS=2, CONSUMER_WARPS=4, CONSUMER_REGS=232, PRODUCER_REGS=40, SWIGLU=False,
-                     GATHER=False, SWIGLU_BWD=False),
+                     GATHER=False),
 }
 
 
@@ -181,10 +179,9 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
 
 
 def _launch_grouped(a_desc, b_desc, c_desc, c, ldc, ends, E, N, K, act, b_trans, m_fastest, claim, cfg, programs,
-                    device, gather=None, swiglu_bwd=None) -> None:
-    """grouped_ws_kernel on its descriptors (every launcher): the claim counter, the grid, the constexprs. gather:
-    (src, rows) of a GATHER build (A's row r is src[rows[r]]), else None; swiglu_bwd: (h, w, dwp) of a SWIGLU_BWD
-    build, else None."""
+                    device, gather=None) -> None:
+    """grouped_ws_kernel on its descriptors (both launchers): the claim counter, the grid, the constexprs. gather:
+    (src, rows) of a GATHER build (A's row r is src[rows[r]]), else None."""
     from kosmos.kernels.gemm import num_sms
     from kosmos.kernels.grouped_ws import grouped_ws_kernel
 
@@ -194,7 +191,7 @@ def _launch_grouped(a_desc, b_desc, c_desc, c, ldc, ends, E, N, K, act, b_trans,
     src, rows = gather if gather is not None else (c, ends)  # (unused without GATHER)
     gathered = (src.shape[0], rows.shape[0], src.stride(0) // 8) if gather is not None else (0, 0, 0)
     grouped_ws_kernel[(programs or num_sms(device),)](
-        a_desc, b_desc, c_desc, c, ldc, ends, counter, E, N, K, act, src, rows, *gathered, *(swiglu_bwd or (c, c, c)),
+        a_desc, b_desc, c_desc, c, ldc, ends, counter, E, N, K, act, src, rows, *gathered,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest, CLAIM=claim,
         num_warps=cfg["CONSUMER_WARPS"], **cfg, **runtime.COMPILE_OPTIONS)
 
@@ -268,57 +265,6 @@ def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
 # The gathering producer's registers: its four warps' cp.async addressing spills at 40 (sm_90 build on the CPU,
 # forty-fourth session), not at 56; the first consumer still gets 216 then (the kernel is built for 168).
 GATHER_PRODUCER_REGS = 56
-
-
-def swiglu_backward_unsupported(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> Optional[str]:
-    """Why grouped_ws_kernel's SWIGLU_BWD epilogue cannot compute the MoE backward's d_au = A @ B[e] (A [S, H] the
-    grad_out rows, B [E, H, I] down_proj) and the SwiGLU backward on h = [gate | up] [S, 2I] with the rows' routing
-    weights w [S], or None."""
-    return _swiglu_backward_operands(a, b, h, w) or grouped_unsupported(a, b)
-
-
-def _swiglu_backward_operands(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> Optional[str]:
-    """swiglu_backward_unsupported's reasons beyond the plain kernel's."""
-    if b.dim() == 3 and b.shape[2] % GROUPED_BLOCK[1]:
-        return f"I = {b.shape[2]} not a multiple of {GROUPED_BLOCK[1]} (the epilogue's column tiles)"
-    if h.dtype not in (torch.bfloat16, torch.float16) or w.dtype not in SWIGLU_ACT_DTYPES:
-        return f"up rows in {h.dtype}, routing weights in {w.dtype} (16-bit up rows, float weights)"
-    if (a.dim() == 2 and b.dim() == 3 and (h.shape != (a.shape[0], 2 * b.shape[2]) or w.shape != (a.shape[0],))
-            or not h.is_contiguous() or not w.is_contiguous() or h.device != a.device or w.device != a.device):
-        return (f"up rows {tuple(h.shape)} and weights {tuple(w.shape)} for rows {tuple(a.shape)} and B "
-                f"{tuple(b.shape)} (contiguous [S, 2I] and [S] on A's device)")
-    return None
-
-
-def launch_grouped_mm_swiglu_backward(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, h: torch.Tensor,
-                                      w: torch.Tensor, *, m_fastest: bool = False, claim: bool = False,
-                                      config: str = "128x256", programs: Optional[int] = None):
-    """The MoE backward's d_au = A @ B[e] per row group and the SwiGLU backward in one launch, for operands
-    swiglu_backward_unsupported has accepted (the epilogue's own checks run again here): h [S, 2I] = [gate | up] is overwritten with d_h = [d_gate | d_up] of
-    d_act = d_au * w; returns (act * w [S, I] in A's dtype, d_w [S] fp32 = sum over I of d_au * act). d_au is
-    launch_grouped_mm(a, b, ends)'s (the same bits) and is never written; d_h and act * w take
-    moe_rows.swiglu_rows_backward's arithmetic (its bits); d_w sums the same products per 256-column tile, then the
-    tiles in order (another fp32 order than the row kernel's, fixed). Rows past ends[-1] are left alone (h) or
-    unwritten (act * w), their d_w 0."""
-    S, K = a.shape
-    E, _, N = b.shape
-    BM, BN, BK = GROUPED_BLOCK
-    _check_ends(ends, E, a, "grouped_mm_swiglu_backward")
-    reason = _swiglu_backward_operands(a, b, h, w)
-    if reason is not None:
-        raise ValueError(f"kosmos grouped_mm_swiglu_backward: {reason}")
-    act_w = a.new_empty(S, N)
-    dwp = torch.zeros(S, N // BN, dtype=torch.float32, device=a.device)
-    if S and E and N:
-        cfg = {**GROUPED_CONFIGS[config], "SWIGLU_BWD": True}
-        tile_rows = BM // cfg["NUM_CONSUMERS"]
-        b_trans = grouped_b_trans(b)
-        a_desc = _descriptor(a, [S, K], a.stride(0), [tile_rows, BK])
-        b_desc = _descriptor(b, [E * N, K], K, [BN, BK]) if b_trans else _descriptor(b, [E * K, N], N, [BK, BN])
-        c_desc = _descriptor(act_w, [S, N], N, [tile_rows, BN])  # (c_smem's layout; the epilogue stores by pointer)
-        _launch_grouped(a_desc, b_desc, c_desc, act_w, N, ends, E, N, K, act_w, b_trans, m_fastest, claim, cfg,
-                        programs, a.device, swiglu_bwd=(h, w, dwp))
-    return act_w, dwp.sum(dim=1)
 
 
 def gather_unsupported(src: torch.Tensor, rows: torch.Tensor) -> Optional[str]:

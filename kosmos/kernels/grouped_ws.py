@@ -181,78 +181,14 @@ def _store_swiglu(acc, c_desc, c_smem, c_ptr, act_ptr, off_m, off_g, end, I, acc
 
 
 @gluon.jit
-def _load_gate_up(h_ptr, r64, mask, cols, I):
-    """The gate and up values of rows r64 at columns cols of h = [gate | up] [S, 2I] (zeros where masked)."""
-    at = h_ptr + r64 * (2 * I) + cols[None, :]
-    return gl.load(at, mask=mask, other=0.0), gl.load(at + I, mask=mask, other=0.0)
-
-
-@gluon.jit
-def _swiglu_backward_chunk(da, gate, up, wr, h_ptr, act_w_ptr, r64, mask, cols, I):
-    """One column chunk of _store_swiglu_backward, with moe_rows' _swiglu_rows_backward_kernel's arithmetic: d_h
-    over gate / up in h, act * w into act_w; returns the chunk's sum over its columns of d_au * act."""
-    W: gl.constexpr = h_ptr.dtype.element_ty
-    D: gl.constexpr = act_w_ptr.dtype.element_ty
-    a = _silu_mul(gate, up).to(D).to(gl.float32)
-    gate = gate.to(gl.float32)
-    up = up.to(gl.float32)
-    dot = gl.sum(da * a, axis=1)
-    d_act = da * wr[:, None]
-    sig = 1.0 / (1.0 + gl.exp(-gate))
-    d_gate = d_act * up * (sig * (1.0 + gate * (1.0 - sig)))
-    d_up = d_act * (gate * sig).to(W).to(gl.float32)
-    at = h_ptr + r64 * (2 * I) + cols[None, :]
-    gl.store(at, d_gate.to(W), mask=mask)
-    gl.store(at + I, d_up.to(W), mask=mask)
-    gl.store(act_w_ptr + r64 * I + cols[None, :], (a * wr[:, None]).to(D), mask=mask)
-    return dot
-
-
-@gluon.jit
-def _store_swiglu_backward(acc, c_smem, act_w_ptr, h_ptr, w_ptr, dwp_ptr, off_m, off_n, end, I,
-                           ROWS: gl.constexpr, BLOCK_N: gl.constexpr, WARPS: gl.constexpr):
-    """SWIGLU_BWD's epilogue of a d_au tile (rows off_m.., columns off_n.. of grad_out rows @ down_proj[e], I = N
-    columns, a multiple of BLOCK_N): the rounded tile goes through c_smem and is read back CHUNK columns at a time
-    beside the same columns of gate and up from h [S, 2I]; d_h = [d_gate | d_up] is written over them, act * w
-    [S, I] to act_w_ptr, and the tile's fp32 sum over its columns of d_au * act to dwp [S, I / BLOCK_N] at column
-    off_n / BLOCK_N. Rows at or past `end` are left alone. The next chunk's gate / up are loaded before a chunk's
-    stores (they may alias as far as the compiler knows, so it would not hoist them)."""
-    CHUNK: gl.constexpr = 16 if WARPS == 8 else 32  # (a 32-column chunk on 8 warps spills a register)
-    tma.store_wait(pendings=0)
-    c_smem.store(acc.to(c_smem.dtype))
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // CHUNK, CHUNK // 8], [WARPS, 1], [1, 0])
-    r = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    r64 = r.to(gl.int64)[:, None]
-    mask = (r < end)[:, None]
-    wr = gl.load(w_ptr + r, mask=r < end, other=0.0).to(gl.float32)
-    cols = off_n + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
-    dot = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, layout))
-    gate_next, up_next = _load_gate_up(h_ptr, r64, mask, cols, I)
-    for c0 in gl.static_range(0, BLOCK_N, CHUNK):
-        gate = gate_next
-        up = up_next
-        if c0 + CHUNK < BLOCK_N:
-            gate_next, up_next = _load_gate_up(h_ptr, r64, mask, cols + (c0 + CHUNK), I)
-        da = c_smem.slice(c0, CHUNK, dim=1).load(layout).to(gl.float32)
-        dot += _swiglu_backward_chunk(da, gate, up, wr, h_ptr, act_w_ptr, r64, mask, cols + c0, I)
-    n_blocks = I // BLOCK_N
-    gl.store(dwp_ptr + r.to(gl.int64) * n_blocks + off_n // BLOCK_N, dot, mask=r < end)
-
-
-@gluon.jit
-def _tile_rows(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, ldc, act_ptr, h_ptr, w_ptr, dwp_ptr,
-               off_m, off_n, end, N, k_tiles, it, acc_layout: gl.constexpr, ROWS: gl.constexpr,
-               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, SWIGLU: gl.constexpr,
-               WARPS: gl.constexpr, SWIGLU_BWD: gl.constexpr):
+def _tile_rows(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, ldc, act_ptr, off_m, off_n, end, N, k_tiles,
+               it, acc_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               B_TRANS: gl.constexpr, SWIGLU: gl.constexpr, WARPS: gl.constexpr):
     """ROWS rows of a tile from the ring's next k_tiles stages, stored: by TMA where they are all the group's, else
-    masked to the group's rows (SWIGLU: _store_swiglu; SWIGLU_BWD: _store_swiglu_backward on h_ptr / w_ptr /
-    dwp_ptr); returns the stage counter after."""
+    masked to the group's rows (SWIGLU: _store_swiglu); returns the stage counter after."""
     acc, it = _mma_k_range(a_bufs, b_bufs, ready, empty, turn, 0, k_tiles, it, acc_layout, 0, 1, ROWS, ROWS,
                            BLOCK_N, STAGES, B_TRANS)
-    if SWIGLU_BWD:  # (N // BLOCK_N * BLOCK_N: N, as a multiple of BLOCK_N that triton can see, for 16-byte stores)
-        _store_swiglu_backward(acc, c_smem, c_ptr, h_ptr, w_ptr, dwp_ptr, off_m, off_n, end, N // BLOCK_N * BLOCK_N,
-                               ROWS, BLOCK_N, WARPS)
-    elif SWIGLU:  # (x // BLOCK_N * HALF, not x // 2: a product of HALF is what triton knows to be its multiple)
+    if SWIGLU:  # (x // BLOCK_N * HALF, not x // 2: a product of HALF is what triton knows to be its multiple)
         _store_swiglu(acc, c_desc, c_smem, c_ptr, act_ptr, off_m, off_n // BLOCK_N * (BLOCK_N // 2), end,
                       N // BLOCK_N * (BLOCK_N // 2), acc_layout, ROWS, BLOCK_N, WARPS)
     elif off_m + ROWS <= end:
@@ -275,11 +211,10 @@ def _release_k_range(ready, empty, k_tiles, it, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c_ptr, ldc, act_ptr, h_ptr, w_ptr,
-                      dwp_ptr, ends_ptr, E, N, K, CONSUMER_WARPS: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr,
-                      M_FASTEST: gl.constexpr, CLAIM: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr,
-                      SWIGLU: gl.constexpr, SWIGLU_BWD: gl.constexpr):
+def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c_ptr, ldc, act_ptr, ends_ptr, E, N,
+                      K, CONSUMER_WARPS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr, B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr,
+                      CLAIM: gl.constexpr, ROW0: gl.constexpr, ROWS: gl.constexpr, SWIGLU: gl.constexpr):
     """MMAs and epilogue of rows [ROW0, ROW0 + ROWS) of the program's tiles (all BLOCK_M of them with one consumer;
     a_bufs: its own ring of those rows' stages with several),
     in the producer's order (CLAIM: the ids it publishes): rows inside the group by TMA, a group's last rows by a
@@ -301,15 +236,14 @@ def _grouped_consumer(a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem, c
         off_m += ROW0
         if ROWS < BLOCK_M:
             if off_m < end:
-                it = _tile_rows(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, ldc, act_ptr, h_ptr,
-                                w_ptr, dwp_ptr, off_m, off_n, end, N, k_tiles, it, acc_layout, ROWS, BLOCK_N, STAGES,
-                                B_TRANS, SWIGLU, CONSUMER_WARPS, SWIGLU_BWD)
+                it = _tile_rows(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, ldc, act_ptr, off_m, off_n,
+                                end, N, k_tiles, it, acc_layout, ROWS, BLOCK_N, STAGES, B_TRANS, SWIGLU,
+                                CONSUMER_WARPS)
             else:
                 it = _release_k_range(ready, empty, k_tiles, it, STAGES)
         else:
-            it = _tile_rows(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, ldc, act_ptr, h_ptr, w_ptr,
-                            dwp_ptr, off_m, off_n, end, N, k_tiles, it, acc_layout, ROWS, BLOCK_N, STAGES, B_TRANS,
-                            SWIGLU, CONSUMER_WARPS, SWIGLU_BWD)
+            it = _tile_rows(a_bufs, b_bufs, ready, empty, turn, c_desc, c_smem, c_ptr, ldc, act_ptr, off_m, off_n,
+                            end, N, k_tiles, it, acc_layout, ROWS, BLOCK_N, STAGES, B_TRANS, SWIGLU, CONSUMER_WARPS)
         if CLAIM:
             t, e, start, end, tile0 = _next_claimed(ids, ready, it, ends_ptr, E, num_pid_n, e, start, end, tile0,
                                                     CONSUMER_WARPS, BLOCK_M, STAGES)
@@ -332,8 +266,8 @@ def _warp_specialize_gathered(a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b
     if NUM_CONSUMERS == 1:
         gl.warp_specialize([
             (_grouped_consumer, (a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(0), c_ptr, ldc,
-                                 act_ptr, act_ptr, act_ptr, act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M,
-                                 BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM, 0, ROWS, SWIGLU, False)),
+                                 act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                 B_TRANS, M_FASTEST, CLAIM, 0, ROWS, SWIGLU)),
             (_gathered_producer, (src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, ready, empty, ids,
                                   claim_ptr, ends_ptr, E, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, M_FASTEST,
                                   CLAIM, NUM_CONSUMERS, 4)),
@@ -341,12 +275,11 @@ def _warp_specialize_gathered(a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b
     else:
         gl.warp_specialize([
             (_grouped_consumer, (a_bufs[0], b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(0), c_ptr,
-                                 ldc, act_ptr, act_ptr, act_ptr, act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM, 0, ROWS, SWIGLU, False)),
+                                 ldc, act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                 B_TRANS, M_FASTEST, CLAIM, 0, ROWS, SWIGLU)),
             (_grouped_consumer, (a_bufs[1], b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(1), c_ptr,
-                                 ldc, act_ptr, act_ptr, act_ptr, act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM, ROWS, ROWS, SWIGLU,
-                                 False)),
+                                 ldc, act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                 B_TRANS, M_FASTEST, CLAIM, ROWS, ROWS, SWIGLU)),
             (_gathered_producer, (src_ptr, idx_ptr, T_src, S, ld8, b_desc, a_bufs, b_bufs, ready, empty, ids,
                                   claim_ptr, ends_ptr, E, N, K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, M_FASTEST,
                                   CLAIM, NUM_CONSUMERS, 4)),
@@ -355,12 +288,11 @@ def _warp_specialize_gathered(a_bufs, b_bufs, c_smem, ready, empty, turn, ids, b
 
 @gluon.jit
 def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E, N, K, act_ptr, src_ptr, idx_ptr,
-                      T_src, S, ld8, h_ptr, w_ptr, dwp_ptr,
+                      T_src, S, ld8,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                       B_TRANS: gl.constexpr, M_FASTEST: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                       CONSUMER_WARPS: gl.constexpr, CLAIM: gl.constexpr = False, NUM_CONSUMERS: gl.constexpr = 1,
-                      CONSUMER_REGS: gl.constexpr = 0, SWIGLU: gl.constexpr = False, GATHER: gl.constexpr = False,
-                      SWIGLU_BWD: gl.constexpr = False):
+                      CONSUMER_REGS: gl.constexpr = 0, SWIGLU: gl.constexpr = False, GATHER: gl.constexpr = False):
     """C = A @ B[group] per row group; grid <= #SMs, num_warps = CONSUMER_WARPS (the first consumer; a one-warp
     producer is a worker). a_desc [S, K] block [BLOCK_M // NUM_CONSUMERS, BLOCK_K]; b_desc over B as 2D, [E * K,
     N] block [BLOCK_K, BLOCK_N] or (B_TRANS) [E * N, K] block [BLOCK_N, BLOCK_K]; c_desc [S, N] block
@@ -383,13 +315,7 @@ def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E
     GATHER: A's row r is src[idx[r]]: src_ptr [T_src, K] with a row stride of 8 * ld8 elements, in a_desc's dtype
     (a_desc only gives the rows' dtype and shared layout then); idx_ptr int64 [S]; a zero row where r >= S or idx[r]
     is not in [0, T_src). A four-warp producer loads them with cp.async (_gathered_producer), so the gathered rows
-    are never written out. Without it src_ptr / idx_ptr / T_src / S / ld8 are unused.
-
-    SWIGLU_BWD (the MoE backward's d_au = grad_out rows @ down_proj[e], N = I a multiple of BLOCK_N): the SwiGLU
-    backward in the epilogue (_store_swiglu_backward): h_ptr [S, 2I] (the forward's up rows [gate | up], contiguous)
-    is overwritten with d_h = [d_gate | d_up] of d_act = d_au * w, w_ptr [S] the rows' routing weights, C gets
-    act * w (in C's dtype; d_au itself is never written), dwp_ptr [S, I / BLOCK_N] fp32 each tile's sum of
-    d_au * act over its columns (their sum is d_w). Without it h_ptr / w_ptr / dwp_ptr are unused."""
+    are never written out. Without it src_ptr / idx_ptr / T_src / S / ld8 are unused."""
     dtype: gl.constexpr = a_desc.dtype
     ROWS: gl.constexpr = BLOCK_M // NUM_CONSUMERS
     if NUM_CONSUMERS == 1:
@@ -422,8 +348,8 @@ def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E
     elif NUM_CONSUMERS == 1:
         gl.warp_specialize([
             (_grouped_consumer, (a_bufs, b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(0), c_ptr, ldc,
-                                 act_ptr, h_ptr, w_ptr, dwp_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M,
-                                 BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM, 0, ROWS, SWIGLU, SWIGLU_BWD)),
+                                 act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                 B_TRANS, M_FASTEST, CLAIM, 0, ROWS, SWIGLU)),
             (_grouped_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_ptr, ends_ptr, E, N, K,
                                  BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM, NUM_CONSUMERS,
                                  SWIGLU)),
@@ -432,12 +358,11 @@ def grouped_ws_kernel(a_desc, b_desc, c_desc, c_ptr, ldc, ends_ptr, claim_ptr, E
         gl.static_assert(NUM_CONSUMERS == 2, "one consumer or two")
         gl.warp_specialize([
             (_grouped_consumer, (a_bufs[0], b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(0), c_ptr,
-                                 ldc, act_ptr, h_ptr, w_ptr, dwp_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M,
-                                 BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM, 0, ROWS, SWIGLU, SWIGLU_BWD)),
+                                 ldc, act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                 B_TRANS, M_FASTEST, CLAIM, 0, ROWS, SWIGLU)),
             (_grouped_consumer, (a_bufs[1], b_bufs, ready, empty, turn, ids, c_desc, c_smem.index(1), c_ptr,
-                                 ldc, act_ptr, h_ptr, w_ptr, dwp_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M,
-                                 BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM, ROWS, ROWS, SWIGLU,
-                                 SWIGLU_BWD)),
+                                 ldc, act_ptr, ends_ptr, E, N, K, CONSUMER_WARPS, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                                 B_TRANS, M_FASTEST, CLAIM, ROWS, ROWS, SWIGLU)),
             (_grouped_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, ids, claim_ptr, ends_ptr, E, N, K,
                                  BLOCK_M, BLOCK_N, BLOCK_K, STAGES, B_TRANS, M_FASTEST, CLAIM, NUM_CONSUMERS,
                                  SWIGLU)),

@@ -534,34 +534,6 @@ def grouped_rows_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
                                                  act_dtype=act_dtype)
 
 
-def grouped_rows_mm_swiglu_backward(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, h: torch.Tensor,
-                                    w: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The reference backward's d_au = grad_out rows @ down_proj[e] and its SwiGLU backward in one launch: (d_h
-    [S, 2I] written over the up rows h, d_w [S] fp32, act * w [S, I]), what grouped_rows_mm +
-    moe_rows.swiglu_rows_backward(h, d_au, w, in_place=True, act_w=d_au) give (the same bits, but d_w's fp32 sum
-    taken per 256-column tile, then the tiles in order), by kosmos's grouped GEMM with its SWIGLU_BWD epilogue
-    (gemm_ws_host.launch_grouped_mm_swiglu_backward: d_au never written, h read once) where grouped_rows_mm would
-    run kosmos's kernel and the epilogue takes the operands (I a multiple of 256); else None (the caller runs the
-    matmul and the row kernel). KOSMOS_GROUPED_SWIGLU_BWD=0 switches it off. The report records which ran and
-    why."""
-    from kosmos.kernels import gemm_ws_host
-
-    switch = env_choice("KOSMOS_GROUPED_SWIGLU_BWD", ("0", "1"), "1")
-    choice = _grouped_choice(a, b, ends, record=False)  # torch's matmul: grouped_rows_mm records it
-    if choice is None:
-        return None
-    reason = ("KOSMOS_GROUPED_SWIGLU_BWD=0" if switch == "0"
-              else gemm_ws_host.swiglu_backward_unsupported(a, b, h, w))
-    if reason is not None:
-        record_run("grouped_mm_swiglu_backward", "grouped matmul + SwiGLU backward row kernel", reason)
-        return None
-    m_fastest, claim, config = choice
-    record_run("grouped_mm_swiglu_backward", _grouped_impl(*choice) + " swiglu backward", "supported")
-    act_w, d_w = gemm_ws_host.launch_grouped_mm_swiglu_backward(a, b, ends, h, w, m_fastest=m_fastest, claim=claim,
-                                                                config=config)
-    return h, d_w, act_w
-
-
 GATHER_ENV = "KOSMOS_GROUPED_GATHER"
 
 
@@ -655,7 +627,6 @@ def register() -> None:
     dispatch.register_row_kernel("moe_grouped_mm", grouped_rows_mm)
     dispatch.register_row_kernel("moe_grouped_mm_swiglu", grouped_rows_mm_swiglu)
     dispatch.register_row_kernel("moe_grouped_mm_swiglu_gathered", grouped_rows_mm_swiglu_gathered)
-    dispatch.register_row_kernel("moe_grouped_mm_swiglu_backward", grouped_rows_mm_swiglu_backward)
     dispatch.register_row_kernel("moe_grouped_wgrad", grouped_rows_wgrad)
     dispatch.register_row_kernel("moe_router_logits", router_rows_logits)
     dispatch.register_row_kernel("moe_route_select", route_rows_select)

@@ -392,16 +392,6 @@ def _swiglu_rows_backward_(h, d_au, w):
     return h.copy_(_swiglu_backward(gate, up, silu, d_act)), d_w, d_au.copy_(act_w)
 
 
-def _dact_swiglu_backward_(g, down_proj, groups, h, w):
-    """`_swiglu_rows_backward_(h, _grouped_mm(g, down_proj, groups), w)` in one launch by the registered CUDA kernel
-    (a grouped GEMM with the SwiGLU backward in its epilogue: d_au is never written), or None where none is
-    registered or it declines: the caller runs the two. d_w's fp32 sum runs in another (fixed) order."""
-    if g.stride(-1) != 1 or not _grouped_kernel(g, down_proj, len(groups)):
-        return None
-    kernel = dispatch.row_kernel("moe_grouped_mm_swiglu_backward", g.device)
-    return kernel(g, down_proj, groups.ends, h, w) if kernel is not None else None
-
-
 def _experts_backward_saved_(grad_out, hidden, rows, w_rows, h, gate_up_proj, down_proj, wgrads=(True, True)):
     """The experts' backward with the forward's up rows h = [gate | up] saved: no up projection and no y
     recomputed; h is overwritten (with d_h). w_rows [S]: each row's routing weight. d_down_proj = sum g^T (act * w)
@@ -413,14 +403,9 @@ def _experts_backward_saved_(grad_out, hidden, rows, w_rows, h, gate_up_proj, do
     (anything small it computes before d_x stays off the peak). wgrads: whether d_gate_up_proj / d_down_proj are
     wanted; a frozen weight's is None, its grouped matmul (and for gate_up_proj the gather of x) not run."""
     g = rows.gather(grad_out, dtype=down_proj.dtype)
-    fused = _dact_swiglu_backward_(g, down_proj, rows.groups, h, w_rows)
-    if fused is not None:
-        d_h, d_w_rows, act_w = fused
-        del fused  # (the tuple would keep act_w alive past its `del` below, onto the peak)
-    else:
-        d_au = _grouped_mm(g, down_proj, rows.groups)
-        d_h, d_w_rows, act_w = _swiglu_rows_backward_(h, d_au, w_rows)
-        del d_au
+    d_au = _grouped_mm(g, down_proj, rows.groups)
+    d_h, d_w_rows, act_w = _swiglu_rows_backward_(h, d_au, w_rows)
+    del d_au
     d_down = _grouped_wgrad(g, act_w, rows.groups, down_proj) if wgrads[1] else None
     del g, act_w
     d_gate_up = None

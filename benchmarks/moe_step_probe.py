@@ -1,7 +1,7 @@
 """One MoE layer's training step under backend="kosmos", default env vs another setting of one env variable
 (--b-env, default KOSMOS_FUSED_MOE=forward), in alternation (--rounds): per-step CUDA-event times (no L2 flush) of
-the forward alone (no_grad) and of forward+backward, host wall time, the profiler's kernel-time sum, and the caching
-allocator's counters over the timed steps (device allocs / frees / retries: nonzero means the step pays cudaMalloc).
+the forward alone (no_grad) and of forward+backward, host wall time, the profiler's kernel-time sum (and how much of
+it overlaps: kernels on two streams at once), and the caching allocator's counters over the timed steps (device allocs / frees / retries: nonzero means the step pays cudaMalloc).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/moe_step_probe.py --layer deepseek_v3 --T 16384
     PYTHONPATH=.:benchmarks python3 benchmarks/moe_step_probe.py --layer qwen3_235b --b-env KOSMOS_GROUPED_SWIGLU=0
@@ -18,7 +18,7 @@ import torch
 
 from kosmos.kernels.moe_ops import env_var
 from moe import LAYERS, build_block
-from moe_profile import kernel_times
+from moe_profile import kernel_totals, profiled_events, timeline_gaps
 
 KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
 
@@ -80,10 +80,13 @@ def main(argv=None) -> int:
                 step()
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) / 3 * 1e3
-            kernels = kernel_times(step, 3, "cuda")
+            events = profiled_events(step, 3, "cuda")
+            kernels = kernel_totals(events, 3, "cuda")
+            busy = timeline_gaps(events, 3, "cuda")["busy_ms"]  # the union of the kernels' spans
             print(f"{name}={env}: fwd ms median {fwd[len(fwd) // 2]:.2f} min {fwd[0]:.2f}; step ms median "
                   f"{ms[len(ms) // 2]:.2f} min {ms[0]:.2f} max {ms[-1]:.2f}; host wall {wall:.2f}; kernel sum "
-                  f"{sum(kernels.values()):.2f}; " + " ".join(f"{k}={st1[k] - st0[k]}" for k in KEYS), flush=True)
+                  f"{sum(kernels.values()):.2f}, of it overlapped {sum(kernels.values()) - busy:.2f}; "
+                  + " ".join(f"{k}={st1[k] - st0[k]}" for k in KEYS), flush=True)
             for kname, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]:
                 print(f"   {v:8.2f} ms  {kname[:100]}")
     return 0

@@ -534,20 +534,6 @@ def grouped_rows_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
                                                  act_dtype=act_dtype)
 
 
-def gather_rows_beside(src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype):
-    """moe_rows.gather_rows(src, index, dtype) on a side stream (runtime.Beside: forked now, launched by start(),
-    joined by join()), so the MoE backward's gather of the hidden rows for d_gate_up_proj runs beside its d_act
-    GEMM, whose one program per SM leaves room on each SM for the gather's programs; None with
-    KOSMOS_GATHER_BESIDE=0 (the caller gathers in line). The report records which ran."""
-    from kosmos.kernels import moe_rows, runtime
-
-    if env_choice("KOSMOS_GATHER_BESIDE", ("0", "1"), "1") == "0":
-        record_run("gather_beside", "moe_gather_rows in line", "KOSMOS_GATHER_BESIDE=0")
-        return None
-    record_run("gather_beside", "moe_gather_rows on a side stream", "supported")
-    return runtime.Beside(src.device, lambda: moe_rows.gather_rows(src, index, dtype))
-
-
 GATHER_ENV = "KOSMOS_GROUPED_GATHER"
 
 
@@ -637,7 +623,6 @@ def register() -> None:
     dispatch.register_row_kernel("moe_swiglu_rows_backward", moe_rows.swiglu_rows_backward)
     dispatch.register_row_kernel("moe_fold", moe_rows.fold)
     dispatch.register_row_kernel("moe_gather_rows", moe_rows.gather_rows)
-    dispatch.register_row_kernel("moe_gather_rows_beside", gather_rows_beside)
     dispatch.register_row_kernel("moe_sorted_pairs", moe_pairs.sorted_pairs)
     dispatch.register_row_kernel("moe_grouped_mm", grouped_rows_mm)
     dispatch.register_row_kernel("moe_grouped_mm_swiglu", grouped_rows_mm_swiglu)

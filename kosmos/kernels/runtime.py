@@ -154,41 +154,6 @@ def kept_tensor(device: torch.device, make):
     return made[0]
 
 
-_side_streams: dict = {}
-
-
-class Beside:
-    """fn() on a side stream of the CUDA `device`, beside the current stream's kernels: forked from the current
-    stream where the Beside is made (fn sees the work enqueued before), launched by start() (after the current
-    stream's next kernels are enqueued, so that they, enqueued first, take the SMs first and fn's kernels fill what
-    they leave), joined by join(), which makes the current stream wait for fn's work and returns fn's result. The
-    caller keeps fn's inputs alive until it joins. The result's memory comes from the side stream's pool and may be
-    freed after use on the current stream: every use of the side stream starts, as here, by waiting for a point of
-    the current stream enqueued after the free (the next Beside is made after it), so a block is written again only
-    after its last reader."""
-
-    def __init__(self, device: torch.device, fn):
-        self.main = torch.cuda.current_stream(device)
-        side = _side_streams.get(self.main.device)
-        if side is None:
-            side = _side_streams[self.main.device] = torch.cuda.Stream(self.main.device)
-        self.side, self.fn, self.out, self.started = side, fn, None, False
-        self.fork = torch.cuda.Event()
-        self.fork.record(self.main)
-
-    def start(self) -> None:
-        self.side.wait_event(self.fork)
-        with torch.cuda.stream(self.side):
-            self.out = self.fn()
-        self.started = True
-
-    def join(self):
-        if not self.started:
-            self.start()
-        self.main.wait_stream(self.side)
-        return self.out
-
-
 def check_after_launch(device: torch.device, check) -> None:
     """In debug mode (KOSMOS_DEBUG_SYNC=1) waits for the kernel just launched and runs `check` (its error word) at
     once; outside CUDA graph capture."""

@@ -286,13 +286,6 @@ class _SortedPairs:
         self.pads = ends - self.counts + experts
         self.groups = _Groups((ends + experts + 1).to(torch.int32), padded=True)
 
-    def gather_beside(self, t: torch.Tensor, dtype: torch.dtype):
-        """`gather(t, dtype=dtype)` on a side stream by the registered CUDA kernel (runtime.Beside: forked here,
-        launched by start(), its rows returned by join()), or None where none is registered, t is not contiguous or
-        it declines: the caller gathers in line."""
-        kernel = dispatch.row_kernel("moe_gather_rows_beside", t.device)
-        return kernel(t, self.token, dtype) if kernel is not None and t.is_contiguous() else None
-
     def gather(self, t: torch.Tensor, index: Optional[torch.Tensor] = None,
                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """t's rows (elements) at `index` (default `token`; `pair` for per-pair tensors) in `dtype` (default t's),
@@ -410,18 +403,14 @@ def _experts_backward_saved_(grad_out, hidden, rows, w_rows, h, gate_up_proj, do
     (anything small it computes before d_x stays off the peak). wgrads: whether d_gate_up_proj / d_down_proj are
     wanted; a frozen weight's is None, its grouped matmul (and for gate_up_proj the gather of x) not run."""
     g = rows.gather(grad_out, dtype=down_proj.dtype)
-    # x's gather (CUDA) beside the d_act GEMM: launched after it, so the GEMM's programs take the SMs first
-    beside = rows.gather_beside(hidden, gate_up_proj.dtype) if wgrads[0] else None
     d_au = _grouped_mm(g, down_proj, rows.groups)
-    if beside is not None:
-        beside.start()
     d_h, d_w_rows, act_w = _swiglu_rows_backward_(h, d_au, w_rows)
     del d_au
     d_down = _grouped_wgrad(g, act_w, rows.groups, down_proj) if wgrads[1] else None
     del g, act_w
     d_gate_up = None
     if wgrads[0]:
-        x = beside.join() if beside is not None else rows.gather(hidden, dtype=gate_up_proj.dtype)
+        x = rows.gather(hidden, dtype=gate_up_proj.dtype)
         d_gate_up = _grouped_wgrad(d_h, x, rows.groups, gate_up_proj)
     return d_h, d_w_rows, d_gate_up, d_down
 

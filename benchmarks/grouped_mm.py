@@ -34,12 +34,12 @@ def routed_ends(T: int, E: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| in fp32, a slice of the leading dim at a time (DeepSeek-V3's weight gradients are
-    11 GB in bf16: whole fp32 copies do not fit beside them on an 80 GB card)."""
+    11 GB in bf16: whole fp32 copies do not fit beside them on an 80 GB card); 0 for two all-zero tensors."""
     diff = norm = 0.0
     for g, r in zip(got.split(8), ref.split(8)):
         diff += (g.float() - r.float()).square().sum().item()
         norm += r.float().square().sum().item()
-    return (diff / norm) ** 0.5
+    return (diff / max(norm, 1e-60)) ** 0.5
 
 
 def timed(fn, reps: int) -> float:

@@ -1,7 +1,8 @@
 """One MoE layer's training step under backend="kosmos", default env vs another setting of one env variable
 (--b-env, default KOSMOS_FUSED_MOE=forward), in alternation (--rounds): per-step CUDA-event times (no L2 flush) of
 the forward alone (no_grad) and of forward+backward, host wall time, the profiler's kernel-time sum (and how much of
-it overlaps: kernels on two streams at once), and the caching allocator's counters over the timed steps (device allocs / frees / retries: nonzero means the step pays cudaMalloc).
+it overlaps: kernels on two streams at once), and the caching allocator's counters over the timed steps (device
+allocs / frees / retries: nonzero means the step pays cudaMalloc).
 
     PYTHONPATH=.:benchmarks python3 benchmarks/moe_step_probe.py --layer deepseek_v3 --T 16384
     PYTHONPATH=.:benchmarks python3 benchmarks/moe_step_probe.py --layer qwen3_235b --b-env KOSMOS_GROUPED_SWIGLU=0
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from grouped_mm import rel_err
 from kosmos.kernels.moe_ops import env_var
 from moe import LAYERS, build_block
 from moe_profile import kernel_totals, profiled_events, timeline_gaps
@@ -92,15 +94,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """|a - b| / |b| in fp64, a slice at a time (DeepSeek-V3's 15 GB gradient would not fit in fp64 at once)."""
-    num = den = 0.0
-    for sa, sb in zip(a.reshape(-1, a.shape[-1]).split(65536), b.reshape(-1, b.shape[-1]).split(65536)):
-        num += (sa.double() - sb.double()).square().sum().item()
-        den += sb.double().square().sum().item()
-    return (num / max(den, 1e-60)) ** 0.5
-
-
 def compare_grads(block, f, x, g, params, name: str, value: str, eager: bool) -> int:
     """Prints, per gradient, the B side's (and HF eager's) relative error against the default env's (A's)."""
     names = ["input"] + [n for n, _ in block.named_parameters()]
@@ -111,16 +104,16 @@ def compare_grads(block, f, x, g, params, name: str, value: str, eager: bool) ->
 
     with env_var(name, None):
         want = grads(f, "cpu")  # (DeepSeek-V3's 22 GB of gradients would not fit twice beside the step)
-    sides = [(f"{name}={value}", lambda: grads(f))] + ([("HF eager", lambda: grads(block))] if eager else [])
-    for label, run in sides:
-        with env_var(name, value if label != "HF eager" else None):
-            got = run()
+    sides = [(f"{name}={value}", value, f)] + ([("HF eager", None, block)] if eager else [])
+    for label, env, fn in sides:
+        with env_var(name, env):
+            got = grads(fn)
         for n, a, b in zip(names, got, want):
             if a is None or b is None:
                 print(f"{label}: {n}: no gradient ({a is None}, {b is None})")
                 continue
             b = b.to(a.device)
-            err = _rel_err(a, b)
+            err = rel_err(a, b)
             print(f"{label} vs default: {n}: rel err {err:.2e}, bit-equal {torch.equal(a, b)}", flush=True)
             del b
         del got

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from benchmarks.moe import LAYERS
-from kosmos.kernels.moe import WIDE_FORWARD
+from kosmos.kernels.moe import WIDE_FORWARD, wide_forward
 from measure import bench_calls
 
 CONFIGS = {  # name -> MoeConfig fields replaced on the default
@@ -22,11 +22,12 @@ CONFIGS = {  # name -> MoeConfig fields replaced on the default
     "bn256": dict(bn=256),
     "bi128_bn256": dict(bi=128, bn=256),
     # WIDE_FORWARD with 4 stages: 196640 / 200704 bytes of shared memory for the Qwen3 / DeepSeek-V3 builds (sm_90
-    # compile on the CPU, ninth session), no wgmma serialization; not timed yet
+    # compile on the CPU, ninth session), no wgmma serialization; timed in the fifty-seventh session (with 32-token
+    # tiles, moe.wide_forward): faster for Qwen3-30B-A3B, slower for DeepSeek-V3
     "bi128_bn256_s4": dict(bi=128, bn=256, num_stages=4),
     "bk128": dict(bk=128, bk2=128, num_stages=2),
     "w4": dict(num_warps=4),
-    "wide": WIDE_FORWARD,  # what moe_forward tries first
+    "wide": None,  # what moe_forward tries first: moe.wide_forward(the layer's experts)
     # one warpgroup per program and two programs per SM (81936 bytes of shared memory, 255 registers x 128 threads:
     # sm_90 compile on the CPU, thirty-fourth session): a program's CTA barriers in its K loops (3 per K step in the
     # 8-warp build) then hold one warpgroup, while the SM's other program runs its wgmma. On the H200 27-43% slower
@@ -56,7 +57,7 @@ def main() -> None:
     flops = 2 * args.T * k * (H * 2 * I + I * H)
     print(f"{args.layer} T={args.T}: {flops / 1e12:.2f} TFLOP of expert GEMMs")
     for name in args.configs.split(","):
-        fields = dict(CONFIGS[name])
+        fields = dict(CONFIGS[name] if CONFIGS[name] is not None else wide_forward(E))
         programs = fields.pop("programs_per_sm", 1) * torch.cuda.get_device_properties(dev).multi_processor_count
         cfg = dataclasses.replace(base, **fields)
         try:

@@ -231,7 +231,7 @@ def test_moe_forward(fold_groups, early_claim):
     from kosmos.kernels import moe
 
     cfg = dataclasses.replace(moe.CONFIGS["default"], fold_groups=fold_groups, early_claim=early_claim,
-                              **moe.WIDE_FORWARD)
+                              **moe.wide_forward(128))
     consts = _qwen3_routing()
     _report(_compile_moe_forward(cfg, consts, BF))
 
@@ -243,7 +243,7 @@ def test_moe_forward_fp32_routing_weights():
 
     from kosmos.kernels import moe
 
-    cfg = dataclasses.replace(moe.CONFIGS["default"], **moe.WIDE_FORWARD)
+    cfg = dataclasses.replace(moe.CONFIGS["default"], **moe.wide_forward(128))
     consts = moe.routing_constexprs("softmax", True, 1, 1, 1.0, torch.bfloat16, None, None, 2, 8, torch.bfloat16,
                                     torch.bfloat16, weights_dtype=torch.float32)
     assert consts["PD_F32"]
@@ -260,7 +260,7 @@ def test_moe_forward_deepseek_router():
 
     from kosmos.kernels import moe
 
-    cfg = dataclasses.replace(moe.CONFIGS["default"], bt=32, **moe.WIDE_FORWARD)
+    cfg = dataclasses.replace(moe.CONFIGS["default"], **moe.wide_forward(256))
     consts = _deepseek_v3_routing()
     assert consts["ROUTER_PRECISION"] == "tf32x3"
     _report(_compile_moe_forward(cfg, consts, "fp32"))
@@ -275,7 +275,7 @@ def test_moe_forward_deepseek_router_gemm():
 
     from kosmos.kernels import moe
 
-    cfg = dataclasses.replace(moe.CONFIGS["default"], bt=32, fold_groups=2, router_gemm=1, **moe.WIDE_FORWARD)
+    cfg = dataclasses.replace(moe.CONFIGS["default"], fold_groups=2, router_gemm=1, **moe.wide_forward(256))
     consts = _deepseek_v3_routing()
     consts["ROUTER_PRECISION"] = "bf16x3"
     _report(_compile_moe_forward(cfg, consts, "fp32", router_weight=BF))
@@ -315,7 +315,7 @@ def test_reference_route_select(layer):
 
 def test_moe_forward_joint_gate_up():
     """MoeConfig.joint_gate_up: the UP tile's gate and up blocks as one operand, one wgmma of width 2*BI (64x256 on
-    the Qwen3 build) where joint_gate_up=False runs two of width BI; no wgmma serialization (WIDE_FORWARD has it on).
+    the Qwen3 build) where joint_gate_up=False runs two of width BI; no wgmma serialization (the wide config has it on).
     The expert tiles' epilogues store 16-byte vectors (one 2-byte STG per element when the int arguments are not
     marked multiples of 16, as they are at the call). (ptxas, triton 3.6.0: the UP K loop holds 4 HGMMA.64x256x16
     and no shared-memory loads / stores or spills, where the split form has 8 HGMMA.64x128x16; 336 bytes of spill
@@ -325,7 +325,7 @@ def test_moe_forward_joint_gate_up():
 
     from kosmos.kernels import moe
 
-    cfg = dataclasses.replace(moe.CONFIGS["default"], **moe.WIDE_FORWARD)
+    cfg = dataclasses.replace(moe.CONFIGS["default"], **moe.wide_forward(128))
     consts = _qwen3_routing()
     k = _compile_moe_forward(cfg, consts, BF)
     _report(k)
@@ -344,7 +344,7 @@ def test_moe_forward_gather_up():
 
     from kosmos.kernels import moe
 
-    cfg = dataclasses.replace(moe.CONFIGS["default"], gather_up=True, **moe.WIDE_FORWARD)
+    cfg = dataclasses.replace(moe.CONFIGS["default"], gather_up=True, **moe.wide_forward(128))
     consts = _qwen3_routing()
     k = _compile_moe_forward(cfg, consts, BF)
     _report(k)

@@ -605,8 +605,20 @@ def select_config(hidden: torch.Tensor, gate_up_proj: torch.Tensor, num_experts:
 # bits as the default tiles (the K blocks are unchanged); on the H200 at Qwen3-235B dims (T=16384) 9.73 ms vs
 # 12.73 (benchmarks/moe_configs.py, RESULTS.md). Tried first; a build that does not fit falls back to the default.
 # The joint gate/up operand: Qwen3-235B 9.77-9.94 ms vs 9.93-10.29 without, DeepSeek-V3 the same within noise
-# (RESULTS.md twentieth session).
-WIDE_FORWARD = dict(bi=128, bn=256, joint_gate_up=True)
+# (RESULTS.md twentieth session). 32-token ROUTE / SCATTER / FOLD tiles: twice the tasks in the phases before the
+# first UP tile and after the last DOWN tile, where 64-token tiles left half the SMs idle at T = 4096.
+WIDE_FORWARD = dict(bi=128, bn=256, joint_gate_up=True, bt=32)
+# Four stages instead of three for layers of at most this many experts. On an H100 (benchmarks/moe_kernel_time.py
+# --save-up, RESULTS.md fifty-seventh session), with the 32-token tiles: Qwen3-30B-A3B T = 4096 0.97-1.00 ms vs
+# 1.08-1.09 with neither and 1.02-1.03 with the tiles alone, T = 8192 1.67-1.70 vs 1.72-1.73, T = 16384 and
+# Mixtral-8x7B the same within their spread; DeepSeek-V3's (256 experts) T = 16384 27.4-28.8 vs 25.3-26.0 with three.
+FOUR_STAGES_MAX_EXPERTS = 128
+
+
+def wide_forward(num_experts: int) -> dict:
+    """The MoeConfig fields of the wide forward config for a layer of num_experts experts."""
+    return dict(WIDE_FORWARD, num_stages=4 if num_experts <= FOUR_STAGES_MAX_EXPERTS else 3)
+
 
 # Columns of H per DOWN / FOLD group in the default configs. Measured on the H200 at T=16384 (benchmarks/
 # moe_kernel_time.py, RESULTS.md tenth session, four interleaved rounds): DeepSeek-V3 (H 7168) 25.1 ms with 2 or 4
@@ -660,7 +672,7 @@ def forward_configs(hidden: torch.Tensor, gate_up_proj: torch.Tensor, top_k: int
                              gate_up_proj.shape[0], gate_up_proj[0].nbytes, gate_up_proj.device)
     if runtime.interpreting() or gate_up_proj.dtype == torch.float32:
         return [cfg]
-    return [dataclasses.replace(cfg, **WIDE_FORWARD), cfg]
+    return [dataclasses.replace(cfg, **wide_forward(gate_up_proj.shape[0])), cfg]
 
 
 def resolve_router_gemm(cfg: MoeConfig, router_dtype: torch.dtype, hidden_dtype: torch.dtype) -> MoeConfig:

@@ -844,6 +844,23 @@ def test_default_fold_groups_follow_hidden_size():
     assert groups(1 << 20) == {moe.MAX_FOLD_GROUPS.value}
 
 
+def test_wide_config_tiles_and_stages_follow_the_experts():
+    """forward_configs tries the wide config first, with 32-token ROUTE / SCATTER / FOLD tiles and four stages for
+    layers of at most FOUR_STAGES_MAX_EXPERTS experts (Qwen3-30B-A3B's 128 measured faster, RESULTS.md fifty-seventh
+    session), three beyond (DeepSeek-V3's 256 measured slower with four); the plain config stays the fallback."""
+    from kosmos.kernels import moe
+
+    def configs(E):
+        h, gu = torch.empty(4, 2048, dtype=torch.bfloat16), torch.empty(E, 64, 2048, dtype=torch.bfloat16)
+        return moe.forward_configs(h, gu, top_k=8)
+
+    for E, stages in ((8, 4), (128, 4), (129, 3), (256, 3)):
+        wide, plain = configs(E)
+        assert (wide.bt, wide.num_stages, wide.bi, wide.bn, wide.joint_gate_up) == (32, stages, 128, 256, True), E
+        assert (plain.num_stages, plain.bi, plain.joint_gate_up) == (3, 64, False), E
+    assert configs(128)[1].bt == 64 and configs(256)[1].bt == 32  # select_config's router tiles
+
+
 def test_grouped_order_for_experts_beyond_the_l2():
     """forward_configs' UP / DOWN task order (moe.group_blocks): block by block unless one expert's gate_up weight
     exceeds twice the L2; then G = the expected row blocks per expert as a power of two, at most 16 (on the H200's

@@ -318,8 +318,8 @@ def test_moe_forward_joint_gate_up():
     the Qwen3 build) where joint_gate_up=False runs two of width BI; no wgmma serialization (the wide config has it on).
     The expert tiles' epilogues store 16-byte vectors (one 2-byte STG per element when the int arguments are not
     marked multiples of 16, as they are at the call). (ptxas, triton 3.6.0: the UP K loop holds 4 HGMMA.64x256x16
-    and no shared-memory loads / stores or spills, where the split form has 8 HGMMA.64x128x16; 336 bytes of spill
-    stores against 400, the same 147480 B of shared memory.)"""
+    and no shared-memory loads / stores or spills, where the split form has 8 HGMMA.64x128x16; with 32-token tiles and
+    four stages 140 bytes of spill stores against 164, the same 196640 B of shared memory.)"""
     import collections
     import dataclasses
 
@@ -339,7 +339,8 @@ def test_moe_forward_joint_gate_up():
 def test_moe_forward_gather_up():
     """MoeConfig.gather_up: the UP K loop loads its x block from hidden through the sorted row -> token map with
     cp.async (LDGSTS, 16-byte vectors) beside the weight's TMA loads; no wgmma serialization, the same shared memory
-    as the TMA build. (ptxas, triton 3.6.0: 288 bytes of spill stores against 336, 147480 B of shared memory.)"""
+    as the TMA build. (ptxas, triton 3.6.0, 32-token tiles and four stages: 132 bytes of spill stores against 140,
+    196640 B of shared memory.)"""
     import dataclasses
 
     from kosmos.kernels import moe

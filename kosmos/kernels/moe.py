@@ -610,7 +610,7 @@ def select_config(hidden: torch.Tensor, gate_up_proj: torch.Tensor, num_experts:
 WIDE_FORWARD = dict(bi=128, bn=256, joint_gate_up=True, bt=32)
 # Four stages instead of three for layers of at most this many experts. On an H100 (benchmarks/moe_kernel_time.py
 # --save-up, RESULTS.md fifty-seventh session), with the 32-token tiles: Qwen3-30B-A3B T = 4096 0.97-1.00 ms vs
-# 1.08-1.09 with neither and 1.02-1.03 with the tiles alone, T = 8192 1.67-1.70 vs 1.72-1.73, T = 16384 and
+# 1.07-1.09 with neither and 1.02-1.03 with the tiles alone, T = 8192 1.67-1.70 vs 1.72-1.73, T = 16384 and
 # Mixtral-8x7B the same within their spread; DeepSeek-V3's (256 experts) T = 16384 27.4-28.8 vs 25.3-26.0 with three.
 FOUR_STAGES_MAX_EXPERTS = 128
 

@@ -59,6 +59,7 @@ def _kernel_targets() -> list:
     out += [(_Slot(dispatch._row_kernels, name), "fn", f"row kernel {name}") for name in dispatch._row_kernels]
     out += [(kmoe, "_moe_forward", "kernels.moe._moe_forward"), (runtime, "check_grid_fits", "runtime.check_grid_fits"),
             (kmoe._Control, "launch", "moe._Control.launch (Triton launch)"),
+            (kmoe._Control, "launch_direct", "moe._Control.launch_direct (a plan's compiled kernel)"),
             (kmoe, "forward_configs", "kernels.moe.forward_configs"), (dispatch, "try_fused", "dispatch.try_fused")]
     return out
 

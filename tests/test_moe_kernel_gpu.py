@@ -552,3 +552,35 @@ def test_group_blocks_bit_identical(group_blocks):
     again = moe.moe_forward(*args, config=dataclasses.replace(cfg, group_blocks=group_blocks), **kw)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+
+
+def test_plans_launch_tritons_own_build(monkeypatch):
+    """A kept plan (kosmos.kernels.launch_plan) launches the build Triton's own binding picks for the call's
+    arguments: for hidden states 16-byte aligned and 8 bytes off (another specialization, so another plan), on a
+    second call of each signature; and the two give the same bits."""
+    from kosmos.kernels import launch_plan, moe
+
+    launched = []
+    direct = moe._Control.launch_direct
+    monkeypatch.setattr(moe._Control, "launch_direct",
+                        lambda self, launch, args: launched.append((launch, args)) or direct(self, launch, args))
+    moe._plans.clear()
+    h, rw, gu, d = make(777, 256, 128, 16, torch.bfloat16, seed=31)
+    buf = torch.empty(777 * 256 + 4, dtype=h.dtype, device="cuda")
+    shifted = buf[4:].view(777, 256)
+    shifted.copy_(h)
+    assert shifted.data_ptr() % 16 == 8
+    results = []
+    for x in (h, shifted, h, shifted):
+        results.append(moe.moe_forward(x, rw, None, None, gu, d, 4, return_router_logits=True, return_routing=True,
+                                       save_up=True))
+    assert len(moe._plans) == 2 and len(launched) == 4
+    builds = []
+    for launch, args in launched:
+        plan = next(p for p in moe._plans._plans.values() if p.launch is launch)
+        own = launch_plan.compiled_build(moe.moe_forward_kernel, plan.grid, args, plan.meta)
+        assert own is launch.compiled
+        builds.append(own)
+    assert builds[0] is builds[2] and builds[1] is builds[3] and builds[0] is not builds[1]
+    for res in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], res))

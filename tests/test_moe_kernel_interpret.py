@@ -26,7 +26,7 @@ CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renor
          "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token", "trace_rows",
          "exception_midway_leaves_counters_zeroed", "fold_groups_same_bits", "task_kind_matches_layout",
          "router_gemm_deepseek_fp16", "router_gemm_fp32_bias_ragged_experts", "joint_gate_up_same_bits",
-         "gather_up_same_bits", "early_claim_same_bits", "group_blocks_same_bits"]
+         "gather_up_same_bits", "early_claim_same_bits", "group_blocks_same_bits", "plan_kept_per_signature"]
 
 
 # ----------------------------------------------------------------------------------------------- cases (subprocess)
@@ -582,6 +582,46 @@ def case_exception_midway_leaves_counters_zeroed(torch):
     finally:
         runtime.set_spin_timeout(None)
     assert torch.isfinite(out).all()
+    return {}
+
+
+def case_plan_kept_per_signature(torch):
+    # the second call of a signature reuses the first one's plan (no second kernel_reason, no new plan) and gives
+    # the same bits; another T, a hidden whose address is 8 bytes off 16, another spin bound: each a plan of its own
+    import os
+
+    from kosmos.kernels import moe, moe_ops
+
+    moe._plans.clear()
+    reasons = []
+    checked = moe_ops.kernel_reason
+    moe_ops.kernel_reason = lambda *a: reasons.append(a[0].shape[0]) or checked(*a)
+    try:
+        h, rw, gu, d = _inputs(torch, 40, 32, 16, 4, torch.float16, 21)
+        first = moe.moe_forward(h, rw, None, None, gu, d, 2, return_routing=True)
+        again = moe.moe_forward(h, rw, None, None, gu, d, 2, return_routing=True)
+        assert reasons == [40] and len(moe._plans) == 1, (reasons, len(moe._plans))
+        assert all(_same_bits(torch, a, b) for a, b in zip(first, again))
+        plan = next(iter(moe._plans._plans.values()))
+        assert plan.checked and plan.launch is None  # the interpreter launches through the JIT
+        moe.moe_forward(h[:33], rw, None, None, gu, d, 2)
+        buf = torch.empty(40 * 32 + 4, dtype=h.dtype)
+        off = buf[4:].view(40, 32)  # 8 bytes past a 16-byte boundary
+        off.copy_(h)
+        assert off.data_ptr() % 16 == 8
+        shifted = moe.moe_forward(off, rw, None, None, gu, d, 2, return_routing=True)
+        assert all(_same_bits(torch, a, b) for a, b in zip(first, shifted))
+        bound = os.environ.get("KOSMOS_SPIN_TIMEOUT_S")
+        os.environ["KOSMOS_SPIN_TIMEOUT_S"] = "123"
+        try:
+            moe.moe_forward(h, rw, None, None, gu, d, 2)
+        finally:
+            os.environ.pop("KOSMOS_SPIN_TIMEOUT_S")
+            if bound is not None:
+                os.environ["KOSMOS_SPIN_TIMEOUT_S"] = bound
+        assert reasons == [40, 33, 40, 40] and len(moe._plans) == 4, (reasons, len(moe._plans))
+    finally:
+        moe_ops.kernel_reason = checked
     return {}
 
 

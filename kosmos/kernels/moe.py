@@ -105,7 +105,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kosmos.kernels import moe_ops, runtime
+from kosmos.kernels import launch_plan, moe_ops, runtime
 from kosmos.kernels.gemm import gemm_tile, input_precision
 from kosmos.kernels.moe_route import (pair_rows, pick, route_tile, router_gemm_tile, router_gemm_tile_tma,
                                       scan_counts, select_stored_tile)
@@ -819,6 +819,12 @@ class _Control:
                 raise
         self.after_launch()
 
+    def launch_direct(self, launch: launch_plan.DirectLaunch, args: tuple) -> None:
+        """launch(args) (a plan's compiled kernel, on a GPU) under the lock, then after_launch."""
+        with self.lock:
+            launch(args)
+        self.after_launch()
+
 
 _controls: dict = {}
 _controls_lock = threading.Lock()
@@ -860,39 +866,106 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
 
     trace (a profiling hook, benchmarks/moe_trace.py): int64 [num_tasks(...), 4] on the device; every task's row
     gets (claimed, wait over, done) in %globaltimer ns and the program that ran it (a separate kernel build)."""
+    args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
+            norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits, programs,
+            weights_dtype, save_up)
+    key = None
+    if trace is None:
+        key = (launch_plan.tensor_key(hidden), launch_plan.device_key(hidden.device),
+               launch_plan.tensor_key(router_weight), launch_plan.tensor_key(router_bias),
+               launch_plan.tensor_key(score_correction_bias), launch_plan.tensor_key(gate_up_proj),
+               launch_plan.tensor_key(down_proj), top_k, scoring, norm_topk_prob, n_group, topk_group,
+               routed_scaling_factor, router_dtype, activation, return_router_logits, programs, config, save_up,
+               weights_dtype, torch.backends.cuda.matmul.allow_tf32, runtime.interpreting(),
+               runtime.spin_timeout_ns())
+        plan = _plans.get(key)
+        if plan is not None:
+            return _moe_forward(plan, key, *args, trace, return_routing)
     from kosmos.kernels.moe_ops import kernel_reason
 
     reason = kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
                            scoring, n_group, topk_group, router_dtype, activation)
     if reason is not None:
         raise ValueError(f"kosmos moe_forward: {reason}")
-    args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
-            norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits, programs,
-            trace, weights_dtype)
     candidates = [config] if config is not None else forward_configs(hidden, gate_up_proj, top_k)
     for i, cfg in enumerate(candidates):
         try:
-            return _moe_forward(*args, cfg, return_routing, save_up)
+            return _moe_forward(_plan_forward(*args, trace, cfg), key, *args, trace, return_routing)
         except runtime.KernelDoesNotFit as e:
             if i == len(candidates) - 1:
                 raise
             runtime.log.info("kosmos moe_forward: tiles %s do not fit (%s); trying the next config", cfg, e)
 
 
-def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
-                 norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits,
-                 programs, trace, weights_dtype, cfg, return_routing, save_up):
+@dataclasses.dataclass(frozen=True)
+class _ForwardPlan:
+    """What moe_forward derives from one signature of its arguments (kosmos.kernels.launch_plan): the config (its
+    router_gemm resolved), the task layout, the constexprs and grid, whether the router weight goes in as
+    split_router_weight's bf16 parts (and its RGEMM tiles load through TMA); once the grid check passed (`checked`),
+    the compiled kernel's direct launch (None: through Triton's JIT, as in the interpreter)."""
+    cfg: MoeConfig
+    layout: TaskLayout
+    meta: dict
+    grid: tuple
+    split_router: bool
+    rgemm_tma: bool
+    checked: bool = False
+    launch: Optional[launch_plan.DirectLaunch] = None
+
+
+_plans = launch_plan.PlanCache()
+
+
+def _plan_forward(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
+                  norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits,
+                  programs, weights_dtype, save_up, trace, cfg) -> _ForwardPlan:
     device = hidden.device
+    T, H = hidden.shape
+    E, two_i, _ = gate_up_proj.shape
+    rd = router_dtype or hidden.dtype
+    cfg = resolve_router_gemm(cfg, rd, hidden.dtype)
+    layout = TaskLayout.of(T, H, two_i // 2, E, top_k, cfg)
+    w_f32 = weights_f32(weights_dtype, rd, "moe_forward")
+    wd = weights_dtype or rd
+    product = torch.promote_types(down_proj.dtype, wd)
+    if product not in (torch.float32, down_proj.dtype):
+        raise ValueError(f"kosmos moe_forward: product dtype {product} of down_proj {down_proj.dtype} and weights {wd}")
+    interp = runtime.interpreting()
+    P = programs or (1 if interp or device.type != "cuda" else runtime.num_sms(device))
+    P = max(1, min(P, layout.num_tasks))
+    consts = routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd, router_bias,
+                                score_correction_bias, top_k, E, gate_up_proj.dtype, down_proj.dtype, hidden.dtype,
+                                weights_dtype)
+    split = bool(cfg.router_gemm) and moe_ops.router_split(rd, hidden.dtype) and router_weight.numel() < 2**31
+    rgemm_tma = False
+    if split:
+        consts["ROUTER_PRECISION"] = "bf16x3"
+        rgemm_tma = (hidden.stride(0) * hidden.element_size()) % 16 == 0 and hidden.data_ptr() % 16 == 0
+    meta = dict(**consts, RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi,
+                BK=cfg.bk, BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=bool(save_up),
+                USE_ASM=not interp, FOLD_GROUPS=layout.groups, ROUTER_GEMM=bool(cfg.router_gemm),
+                RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, JOINT_GU=bool(cfg.joint_gate_up),
+                GATHER_UP=bool(cfg.gather_up), EARLY_CLAIM=bool(cfg.early_claim), TRACE=trace is not None,
+                W_F32=w_f32, GROUP_BLOCKS=cfg.group_blocks,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _ForwardPlan(cfg, layout, meta, (P,), split, rgemm_tma)
+
+
+def _moe_forward(plan: _ForwardPlan, key, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
+                 down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
+                 return_router_logits, programs, weights_dtype, save_up, trace, return_routing):
+    """One launch on plan's config: the buffers, descriptors and arguments of this call. The first launch of a plan
+    checks the grid and builds its direct launch, then keeps it under key (None: not kept, a traced call)."""
+    device = hidden.device
+    cfg, layout = plan.cfg, plan.layout
     T, H = hidden.shape
     E, two_i, _ = gate_up_proj.shape
     I = two_i // 2
     rd = router_dtype or hidden.dtype
-    cfg = resolve_router_gemm(cfg, rd, hidden.dtype)
-    layout = TaskLayout.of(T, H, I, E, top_k, cfg)
-    n_tiles, mb, n_tasks = layout.n_tiles, layout.max_blocks, layout.num_tasks
-    if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (n_tasks, 4)
+    n_tiles = layout.n_tiles
+    if trace is not None and (trace.dtype != torch.int64 or tuple(trace.shape) != (layout.num_tasks, 4)
                               or trace.device != device):
-        raise ValueError(f"kosmos moe_forward: trace must be int64 [{n_tasks}, 4] on {device}")
+        raise ValueError(f"kosmos moe_forward: trace must be int64 [{layout.num_tasks}, 4] on {device}")
     ctl = control(device)
     ctl.check()
     ctl.ensure(layout.groups)
@@ -923,24 +996,10 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
         gu_desc = TensorDescriptor(gate_up_proj.view(E * two_i, H), [E * two_i, H], [H, 1], [cfg.bi, cfg.bk])
     down_desc = TensorDescriptor(down_proj.view(E * H, I), [E * H, I], [I, 1], [cfg.bn, cfg.bk2])
     act_desc = TensorDescriptor(act, [pairs, I], [I, 1], [cfg.bm, cfg.bk2])
-    w_f32 = weights_f32(weights_dtype, rd, "moe_forward")
-    wd = weights_dtype or rd
-    product = torch.promote_types(down_proj.dtype, wd)
-    if product not in (torch.float32, down_proj.dtype):
-        raise ValueError(f"kosmos moe_forward: product dtype {product} of down_proj {down_proj.dtype} and weights {wd}")
-    interp = runtime.interpreting()
-    P = programs or (1 if interp or device.type != "cuda" else runtime.num_sms(device))
-    P = max(1, min(P, n_tasks))
-    consts = routing_constexprs(scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, rd, router_bias,
-                                score_correction_bias, top_k, E, gate_up_proj.dtype, down_proj.dtype, hidden.dtype,
-                                weights_dtype)
     rw_arg, xr_desc, wr_desc = router_weight, x_desc, x_desc  # (unused descriptors without RGEMM_TMA)
-    rgemm_tma = False
-    if cfg.router_gemm and moe_ops.router_split(rd, hidden.dtype) and router_weight.numel() < 2**31:
+    if plan.split_router:
         rw_arg = split_router_weight(router_weight)
-        consts["ROUTER_PRECISION"] = "bf16x3"
-        rgemm_tma = (hidden.stride(0) * hidden.element_size()) % 16 == 0 and hidden.data_ptr() % 16 == 0
-        if rgemm_tma:
+        if plan.rgemm_tma:
             xr_desc = TensorDescriptor(hidden, [T, H], [hidden.stride(0), 1], [cfg.rbm, cfg.bkg])
             wr_desc = TensorDescriptor(rw_arg.view(3 * E, H), [3 * E, H], [H, 1], [cfg.rbn, cfg.bkg])
     args = (ctl.ctrl, ctl.err_host.data_ptr(), runtime.spin_timeout_ns(),
@@ -949,20 +1008,25 @@ def _moe_forward(hidden, router_weight, router_bias, score_correction_bias, gate
             score_correction_bias if score_correction_bias is not None else router_weight, x_desc, gu_desc, down_desc,
             act_desc, xr_desc, wr_desc, logits_arg, ids, wts, ranks, counts, meta, tpe, x_sorted, perm, act, saved_up,
             y, out, out.stride(0),
-            trace if trace is not None else ids, T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles, mb,
-            layout.hb_per)
-    meta_kw = dict(**consts, RET_LOGITS=bool(return_router_logits), BT=cfg.bt, BKR=cfg.bkr, BM=cfg.bm, BI=cfg.bi,
-                   BK=cfg.bk, BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=bool(save_up),
-                   USE_ASM=not interp, FOLD_GROUPS=layout.groups, ROUTER_GEMM=bool(cfg.router_gemm),
-                   RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, JOINT_GU=bool(cfg.joint_gate_up),
-                   GATHER_UP=bool(cfg.gather_up), EARLY_CLAIM=bool(cfg.early_claim), TRACE=trace is not None,
-                   W_F32=w_f32, GROUP_BLOCKS=cfg.group_blocks,
-                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    grid = (P,)
-    runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype, rd,
-                                                 tuple(sorted((k, str(v)) for k, v in meta_kw.items()))),
-                            grid, device, args, meta_kw)
-    ctl.launch(moe_forward_kernel, grid, args, meta_kw)
+            trace if trace is not None else ids, T, H, I, E, float(routed_scaling_factor), 1e-20, n_tiles,
+            layout.max_blocks, layout.hb_per)
+    if not plan.checked:
+        meta_kw = plan.meta
+        runtime.check_grid_fits(moe_forward_kernel, ("moe_fwd", hidden.dtype, gate_up_proj.dtype, down_proj.dtype,
+                                                     rd, tuple(sorted((k, str(v)) for k, v in meta_kw.items()))),
+                                plan.grid, device, args, meta_kw)
+        direct = None
+        if device.type == "cuda" and key is not None:
+            direct = launch_plan.direct_launch(
+                moe_forward_kernel, launch_plan.compiled_build(moe_forward_kernel, plan.grid, args, meta_kw),
+                plan.grid, len(args), meta_kw)
+        plan = dataclasses.replace(plan, checked=True, launch=direct)
+        if key is not None:
+            _plans.put(key, plan)
+    if plan.launch is not None:
+        ctl.launch_direct(plan.launch, args)
+    else:
+        ctl.launch(moe_forward_kernel, plan.grid, args, plan.meta)
     res = (out, logits, tpe)
     if save_up:
         res = res + (saved_up,)

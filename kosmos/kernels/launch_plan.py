@@ -1,0 +1,94 @@
+"""Host work of a persistent kernel's launch kept across calls of one signature: the plans (checks, config, task
+layout, constexprs) a launcher derives from its arguments' shapes, and the compiled kernel launched without
+Triton's per-call argument binding.
+
+A plan is keyed on everything it was derived from and everything Triton specializes a kernel on: each tensor's
+shape, strides, dtype and whether its address is a multiple of 16, the scalars, and the global switches the
+launcher reads. So a call that finds its key finds the same config and the same compiled kernel the full path
+would pick (tests/test_moe_kernel_gpu.py checks the kernel against Triton's own binding).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from kosmos.kernels import runtime
+
+# Plans per cache; a cache that fills (a new token count every step, say) starts over.
+MAX_PLANS = 64
+
+
+def tensor_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    """What a plan depends on of tensor t: shape, strides, dtype, address modulo 16 (Triton's alignment
+    specialization)."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
+
+
+def device_key(device: torch.device) -> tuple:
+    """The device, and on CUDA the current device (where Triton loads the compiled kernel)."""
+    return device, torch.cuda.current_device() if device.type == "cuda" else None
+
+
+class PlanCache:
+    """key -> plan, at most MAX_PLANS of them (thread-safe)."""
+
+    def __init__(self):
+        self._plans: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, key) -> Any:
+        return self._plans.get(key)
+
+    def put(self, key, plan) -> None:
+        with self._lock:
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+class DirectLaunch:
+    """kernel's compiled build for one specialization, launched on the current stream with positional runtime
+    arguments: Triton's CompiledKernel[grid] runner, with the constexprs appended in the kernel's parameter order.
+    Skips JITFunction.run's binding, specialization and cache-key work, which is the same for every call of a plan
+    (its key covers what Triton specializes on)."""
+
+    def __init__(self, compiled, grid: tuple, tail: tuple):
+        self.compiled, self.grid = compiled, grid
+        self._runner, self._tail = compiled[grid], tail
+
+    def __call__(self, args: tuple) -> None:
+        self._runner(*args, *self._tail)
+
+
+def direct_launch(kernel, compiled, grid: tuple, n_args: int, meta: dict) -> Optional[DirectLaunch]:
+    """A DirectLaunch of `compiled` (kernel's build for this call's arguments) over grid, for calls with n_args
+    positional runtime arguments and the constexprs in meta; None where the build or the kernel's parameters do not
+    allow it (the interpreter, constexprs before runtime arguments): the caller launches through the JIT."""
+    if compiled is None or runtime.interpreting() or not hasattr(compiled, "__getitem__"):
+        return None
+    params = getattr(kernel, "params", None)
+    if params is None or len(params) < n_args:
+        return None
+    if any(p.is_constexpr for p in params[:n_args]) or not all(p.is_constexpr for p in params[n_args:]):
+        return None
+    if any(p.name not in meta and not p.has_default for p in params[n_args:]):
+        return None
+    tail = tuple(meta[p.name] if p.name in meta else p.default for p in params[n_args:])
+    return DirectLaunch(compiled, grid, tail)
+
+
+def compiled_build(kernel, grid: tuple, args: tuple, meta: dict):
+    """kernel's compiled build for these arguments (compiled now if it is not in Triton's cache)."""
+    compiled = kernel.warmup(*args, grid=grid, **meta, **runtime.COMPILE_OPTIONS)
+    return compiled.result() if hasattr(compiled, "result") else compiled

@@ -56,7 +56,7 @@ def test_direct_launch_appends_constexprs_in_parameter_order():
     launch = launch_plan.direct_launch(kernel, compiled, (5,), 2, {"A": 1, "B": 2, "num_warps": 4})
     launch(("x", 3))
     launch(("y", 4))
-    assert compiled.calls == [((5,), ("x", 3, 2, 1, 7)), ((5,), ("y", 4, 2, 1, 7))]
+    assert compiled.calls == [((5, 1, 1), ("x", 3, 2, 1, 7)), ((5, 1, 1), ("y", 4, 2, 1, 7))]
 
 
 def test_direct_launch_refused_where_the_jit_must_bind():

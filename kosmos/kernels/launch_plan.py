@@ -65,7 +65,7 @@ class DirectLaunch:
 
     def __init__(self, compiled, grid: tuple, tail: tuple):
         self.compiled, self.grid = compiled, grid
-        self._runner, self._tail = compiled[grid], tail
+        self._runner, self._tail = compiled[tuple(grid) + (1,) * (3 - len(grid))], tail  # the runner reads 3 dims
 
     def __call__(self, args: tuple) -> None:
         self._runner(*args, *self._tail)

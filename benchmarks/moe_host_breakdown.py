@@ -1,14 +1,17 @@
 """Host time of one MoE training step under backend="kosmos", split by the reference backward's pieces (perf_counter
 wrappers around kosmos.ops.moe functions) and by op (torch.profiler, CPU self time). Without a GPU it runs tiny dims.
 
-    PYTHONPATH=.:benchmarks python3 benchmarks/moe_host_breakdown.py qwen3_30b_a3b 4096 [--cprofile]
+    PYTHONPATH=.:benchmarks python3 benchmarks/moe_host_breakdown.py qwen3_30b_a3b 4096 [--cprofile] [--gc freeze|off]
 
 --cprofile adds cProfile's view of the same steps (Python functions by own time, and the kosmos ones by
-cumulative time), finer than the wrappers and the profiler's aten ops.
+cumulative time), finer than the wrappers and the profiler's aten ops. --gc freeze: gc.freeze() after the warm-up
+steps (the objects alive then never scanned again); --gc off: gc.disable() for the timed steps (Python's cyclic
+collector runs inside whatever call allocates, so its pauses land in the ops' host time).
 """
 from __future__ import annotations
 
 import cProfile
+import gc
 import io
 import pstats
 import sys
@@ -80,7 +83,7 @@ def cprofile_text(step, sync, steps: int, top: int = 40) -> str:
     return f"cProfile over {steps} steps (times are totals, divide by {steps}):\n" + out.getvalue()
 
 
-def main(layer: str, T: int, steps: int = 20, cprofile: bool = False) -> None:
+def main(layer: str, T: int, steps: int = 20, cprofile: bool = False, gc_mode: str = "on") -> None:
     import kosmos  # noqa: F401  (registers the backend)
     from kosmos.ops import moe as om, moe_math as mm
     from torch.profiler import ProfilerActivity, profile
@@ -106,6 +109,10 @@ def main(layer: str, T: int, steps: int = 20, cprofile: bool = False) -> None:
     for _ in range(5):
         step()
     sync()
+    if gc_mode == "freeze":
+        gc.freeze()
+    elif gc_mode == "off":
+        gc.disable()
     t_fwd = t_bwd = 0.0
     with timed_calls(targets) as spent:
         for _ in range(steps):
@@ -116,7 +123,8 @@ def main(layer: str, T: int, steps: int = 20, cprofile: bool = False) -> None:
             t_fwd += t1 - t0
             t_bwd += t2 - t1
         sync()
-    print(f"{layer} T={T}: host fwd {t_fwd / steps * 1e3:.3f} ms, bwd {t_bwd / steps * 1e3:.3f} ms per step")
+    print(f"{layer} T={T} (gc {gc_mode}): host fwd {t_fwd / steps * 1e3:.3f} ms, "
+          f"bwd {t_bwd / steps * 1e3:.3f} ms per step")
     for name, v in sorted(spent.items(), key=lambda kv: -sum(kv[1])):
         print(f"   {name:32s} {sum(v) / steps:.3f} ms")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -129,4 +137,6 @@ def main(layer: str, T: int, steps: int = 20, cprofile: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), cprofile="--cprofile" in sys.argv[3:])
+    rest = sys.argv[3:]
+    main(sys.argv[1], int(sys.argv[2]), cprofile="--cprofile" in rest,
+         gc_mode=rest[rest.index("--gc") + 1] if "--gc" in rest else "on")

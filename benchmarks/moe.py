@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import time
 
@@ -100,6 +101,8 @@ def timed(fn, args, res: dict, key: str) -> float:
     if args.tiny:
         fn()
         return float("nan")
+    if args.gc_freeze:
+        gc.freeze()
     if args.heat > 0:
         heat(fn, args.heat, flush=True)
     calls = []
@@ -266,6 +269,10 @@ def main(argv=None) -> int:
                    help="seconds of each timed callable back to back before its warm-up and timing (default 2: the "
                         "GPU's clock settled at its loaded, power-capped level, as in a training run; 0: the "
                         "forty-fourth and earlier sessions' timing, whose first ~40 ms ran at an idle GPU's clock)")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() before each timing (every variant alike): the objects alive then are never "
+                        "scanned by Python's cyclic collector again, as a training loop that freezes after its warm-up "
+                        "(benchmarks/moe_host_breakdown.py --gc: 0.57 ms of host work per Qwen3-30B-A3B T=4096 step)")
     p.add_argument("--samples", action="store_true",
                    help="the JSON also gets every timed call's ms and each timing's wall-clock window")
     p.add_argument("--frozen", default="", help="weights without gradients (comma-separated): " + ", ".join(FROZEN))

@@ -857,7 +857,9 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
     [T, k] fp32 of the weights_dtype values) with return_routing). Raises ValueError for what the kernel does not
     support (moe_ops.why_not_moe_layer says the same without raising). programs: grid size (default one per SM; 1
     in the interpreter). weights_dtype: the routing weights' dtype, None (the logits') or float32 (Mixtral's router:
-    its softmax values are never rounded to the logits' dtype; the fold's products are then fp32).
+    its softmax values are never rounded to the logits' dtype; the fold's products are then fp32). A call whose
+    arguments' signature was seen before takes its checks, config and compiled kernel from that call's plan
+    (_ForwardPlan, kosmos.kernels.launch_plan; not with trace).
 
     saved_up [T*k + E, 2I] in gate_up_proj's dtype: the up projection [gate | up] of every pair, rounded to that
     dtype (what the backward reads instead of recomputing it), in the reference's padded expert-major layout

@@ -1022,6 +1022,9 @@ def _moe_forward(plan: _ForwardPlan, key, hidden, router_weight, router_bias, sc
             direct = launch_plan.direct_launch(
                 moe_forward_kernel, launch_plan.compiled_build(moe_forward_kernel, plan.grid, args, meta_kw),
                 plan.grid, len(args), meta_kw)
+            if direct is None:
+                runtime.log.info("kosmos moe_forward: this triton's compiled kernel has no direct launch; each call "
+                                 "binds its arguments through the JIT (the same kernel)")
         plan = dataclasses.replace(plan, checked=True, launch=direct)
         if key is not None:
             _plans.put(key, plan)

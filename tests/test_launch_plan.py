@@ -19,7 +19,6 @@ def test_tensor_key_tells_apart_what_triton_specializes_on():
     assert key != launch_plan.tensor_key(a.t())
     assert key != launch_plan.tensor_key(a.float())
     assert key != launch_plan.tensor_key(buf[:56].view(7, 8))
-    assert launch_plan.tensor_key(buf[8:70 - 6].view(7, 8)) != key  # another shape
     assert launch_plan.tensor_key(torch.zeros(80, dtype=torch.float16)[8:72].view(8, 8)) == key  # 16 bytes on
     assert launch_plan.tensor_key(None) is None
 

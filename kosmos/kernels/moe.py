@@ -871,18 +871,17 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
     args = (hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k, scoring,
             norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype, return_router_logits, programs,
             weights_dtype, save_up)
-    key = None
+    key, timeout_ns = None, runtime.spin_timeout_ns()
     if trace is None:
         key = (launch_plan.tensor_key(hidden), launch_plan.device_key(hidden.device),
                launch_plan.tensor_key(router_weight), launch_plan.tensor_key(router_bias),
                launch_plan.tensor_key(score_correction_bias), launch_plan.tensor_key(gate_up_proj),
                launch_plan.tensor_key(down_proj), top_k, scoring, norm_topk_prob, n_group, topk_group,
                routed_scaling_factor, router_dtype, activation, return_router_logits, programs, config, save_up,
-               weights_dtype, torch.backends.cuda.matmul.allow_tf32, runtime.interpreting(),
-               runtime.spin_timeout_ns())
+               weights_dtype, torch.backends.cuda.matmul.allow_tf32, runtime.interpreting(), timeout_ns)
         plan = _plans.get(key)
         if plan is not None:
-            return _moe_forward(plan, key, *args, trace, return_routing)
+            return _moe_forward(plan, key, *args, trace, return_routing, timeout_ns)
     from kosmos.kernels.moe_ops import kernel_reason
 
     reason = kernel_reason(hidden, router_weight, router_bias, score_correction_bias, gate_up_proj, down_proj, top_k,
@@ -892,7 +891,7 @@ def moe_forward(hidden: torch.Tensor, router_weight: torch.Tensor, router_bias: 
     candidates = [config] if config is not None else forward_configs(hidden, gate_up_proj, top_k)
     for i, cfg in enumerate(candidates):
         try:
-            return _moe_forward(_plan_forward(*args, trace, cfg), key, *args, trace, return_routing)
+            return _moe_forward(_plan_forward(*args, trace, cfg), key, *args, trace, return_routing, timeout_ns)
         except runtime.KernelDoesNotFit as e:
             if i == len(candidates) - 1:
                 raise
@@ -955,7 +954,7 @@ def _plan_forward(hidden, router_weight, router_bias, score_correction_bias, gat
 
 def _moe_forward(plan: _ForwardPlan, key, hidden, router_weight, router_bias, score_correction_bias, gate_up_proj,
                  down_proj, top_k, scoring, norm_topk_prob, n_group, topk_group, routed_scaling_factor, router_dtype,
-                 return_router_logits, programs, weights_dtype, save_up, trace, return_routing):
+                 return_router_logits, programs, weights_dtype, save_up, trace, return_routing, timeout_ns):
     """One launch on plan's config: the buffers, descriptors and arguments of this call. The first launch of a plan
     checks the grid and builds its direct launch, then keeps it under key (None: not kept, a traced call)."""
     device = hidden.device
@@ -1004,7 +1003,7 @@ def _moe_forward(plan: _ForwardPlan, key, hidden, router_weight, router_bias, sc
         if plan.rgemm_tma:
             xr_desc = TensorDescriptor(hidden, [T, H], [hidden.stride(0), 1], [cfg.rbm, cfg.bkg])
             wr_desc = TensorDescriptor(rw_arg.view(3 * E, H), [3 * E, H], [H, 1], [cfg.rbn, cfg.bkg])
-    args = (ctl.ctrl, ctl.err_host.data_ptr(), runtime.spin_timeout_ns(),
+    args = (ctl.ctrl, ctl.err_host.data_ptr(), timeout_ns,
             hidden, hidden.stride(0), rw_arg, rw_arg.stride(-2),
             router_bias if router_bias is not None else router_weight,
             score_correction_bias if score_correction_bias is not None else router_weight, x_desc, gu_desc, down_desc,

@@ -519,6 +519,55 @@ def test_gpu_swiglu_rows_match_torch(monkeypatch, S, I, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layer", ["qwen3", "deepseek_v3", "mixtral", "sigmoid_bf16"])
+@pytest.mark.parametrize("T", [16384, 77])
+def test_gpu_router_backward_matches_torch(monkeypatch, layer, T):
+    """The backward's router at the forward's kept ids by the registered kernels (kosmos.kernels.route_backward:
+    the weights, then the logits' gradient) against torch's ops: Qwen3-MoE's bf16 softmax router, DeepSeek-V3's
+    fp32 sigmoid router (x2.5, with a logits gradient), Mixtral's fp32 weights on bf16 logits, a bf16 sigmoid router
+    (every op rounded to bf16). Weights within 1e-6 (fp32) or one unit of bf16's last place; the logits gradient
+    within 1e-5 (fp32) / 2^-7 (bf16) of its largest magnitude."""
+    import kosmos
+    import kosmos.kernels.fused_ops  # noqa: F401
+    from kosmos.ops import dispatch
+
+    E, k, dtype, scoring, norm, scale, wd, glog = dict(
+        qwen3=(128, 8, torch.bfloat16, "softmax", True, 1.0, None, False),
+        deepseek_v3=(256, 8, torch.float32, "sigmoid", True, 2.5, None, True),
+        mixtral=(8, 2, torch.bfloat16, "softmax", True, 1.0, torch.float32, False),
+        sigmoid_bf16=(64, 6, torch.bfloat16, "sigmoid", False, 1.5, None, True))[layer]
+    g = torch.Generator(device="cuda").manual_seed(T + E)
+    logits = (3 * torch.randn(T, E, device="cuda", generator=g)).to(dtype)
+    ids = torch.rand(T, E, device="cuda", generator=g).argsort(dim=1)[:, :k].to(torch.int32).contiguous()
+    d_weights = torch.randn(T, k, device="cuda", generator=g).to(wd or dtype)
+    grad_logits = torch.randn(T, E, device="cuda", generator=g).to(dtype) if glog else None
+
+    def router(kernels: bool):
+        routed = moe_math._route_forward(logits, torch.empty(E, 1, device="cuda"), None, None, k, scoring, norm, 1, 1,
+                                         scale, None, ids=ids, logits=logits, weights_dtype=wd, kernels=kernels)
+        return routed[2], moe_math._router_d_logits(d_weights, grad_logits, routed, scoring, scale), routed[3]
+
+    kosmos.reset_report()
+    w, dl, state = router(True)
+    assert state["scores"] is None
+    assert ("router_backward", "kosmos route_backward", "weights and logits gradient at the forward's choices") in \
+        kosmos.report().runtime
+    real = dispatch.row_kernel
+    monkeypatch.setattr(dispatch, "row_kernel", lambda name, device: None if name == "moe_router_d_logits"
+                        else real(name, device))
+    want_w, want_dl, _ = router(False)
+    assert w.dtype == want_w.dtype and dl.dtype == want_dl.dtype == dtype
+    w_err = ((w.double() - want_w.double()).abs() / want_w.double().abs().clamp(min=1e-30)).max().item()
+    assert w_err <= (1e-6 if w.dtype == torch.float32 else 2.0**-7), w_err
+    dl_err = ((dl.double() - want_dl.double()).abs().max() / want_dl.double().abs().max()).item()
+    assert dl_err <= (1e-5 if dtype == torch.float32 else 2.0**-7), dl_err
+    # the weights' kernel with the gradient's declined: the torch ops recompute the scores, the same gradient
+    _, fallback_dl, _ = router(True)
+    assert torch.equal(fallback_dl, want_dl)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10),
                     reason="torch._grouped_mm's bf16 kernel needs sm90/sm100")
 def test_gpu_saved_up_backward_bf16():

@@ -63,7 +63,8 @@ import triton.language as tl
 from kosmos.kernels import runtime
 from kosmos.kernels.moe import _Control, _block_rows, _signal, max_blocks, routing_constexprs
 from kosmos.kernels.moe import control as _moe_control
-from kosmos.kernels.moe_route import _round, pair_rows, pick, route_tile, scan_counts
+from kosmos.kernels.moe_route import (_round, pair_rows, pick, route_tile, router_d_logits, scan_counts, scores_at,
+                                      scores_of)
 from kosmos.kernels.signals import ERR_TIMEOUT, record_local_error, wait_flag
 
 OP_ID = tl.constexpr(4)
@@ -295,42 +296,14 @@ def _fold_tile(tile, ids_ptr, rank_ptr, counts, logits, dwp, d_x, glog, rw, rw_l
     for nb in range(0, n_hblk):
         dw += tl.load(dwp + pos64 * n_hblk + nb, mask=m2, other=0.0, cache_modifier=".cg")
     dw = dw.to(RD).to(tl.float32)
-    # scores recomputed from the kept logits, as the ROUTE task computed them
+    # scores recomputed from the kept logits, as the ROUTE task computed them; route_backward in the scores' dtype
+    # (fp32 for softmax, the logits dtype for sigmoid: SD_ROUND)
     em2 = rmask[:, None] & emask[None, :]
     lg = tl.load(logits + rows64[:, None] * E + cols_e[None, :], mask=em2, other=0.0, cache_modifier=".cg")
-    lf = tl.where(emask[None, :], lg.to(tl.float32), float("-inf"))
-    if SIGMOID:
-        scores = _round(1.0 / (1.0 + tl.exp(-lf)), RD, SD_ROUND)
-    else:
-        mx = tl.max(lf, axis=1)
-        p = tl.exp(lf - mx[:, None])
-        p = tl.where(emask[None, :], p, 0.0)
-        scores = p / tl.sum(p, axis=1)[:, None]
-    vals = tl.zeros((BT, KP), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        idj = pick(ids, colk, j)
-        vj = tl.sum(tl.where(cols_e[None, :] == idj[:, None], scores, 0.0), axis=1)
-        vals = tl.where(colk[None, :] == j, vj[:, None], vals)
-    # route_backward, in the scores' dtype (fp32 for softmax, the logits dtype for sigmoid: SD_ROUND)
-    d = dw
-    if SCALED:
-        d = _round(d * rsf, RD, SD_ROUND)
-    if NORM:
-        denom = _round(tl.sum(tl.where(kmask_j[None, :], vals, 0.0), axis=1), RD, SD_ROUND)
-        if SIGMOID:
-            denom = _round(denom + eps, RD, SD_ROUND)
-        normed = _round(vals / denom[:, None], RD, SD_ROUND)
-        s = _round(tl.sum(tl.where(kmask_j[None, :], _round(d * normed, RD, SD_ROUND), 0.0), axis=1), RD, SD_ROUND)
-        d = _round(_round(d - s[:, None], RD, SD_ROUND) / denom[:, None], RD, SD_ROUND)
-    d_scores = tl.zeros((BT, BLOCK_E), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        idj = pick(ids, colk, j)
-        dj = pick(d, colk, j)
-        d_scores = tl.where(cols_e[None, :] == idj[:, None], dj[:, None], d_scores)
-    if SIGMOID:
-        dlog = _round(_round(d_scores * scores, RD, SD_ROUND) * _round(1.0 - scores, RD, SD_ROUND), RD, SD_ROUND)
-    else:
-        dlog = scores * (d_scores - tl.sum(d_scores * scores, axis=1)[:, None])
+    scores = scores_of(lg, emask, SIGMOID, RD, SD_ROUND)
+    vals = scores_at(scores, ids, colk, cols_e, TOP_K, KP)
+    dlog = router_d_logits(scores, vals, ids, dw, colk, cols_e, kmask_j, rsf, eps, NORM, SCALED, SIGMOID, RD,
+                           SD_ROUND, TOP_K)
     if HAS_GLOG:
         dlog += tl.load(glog + rows64[:, None] * E + cols_e[None, :], mask=em2, other=0.0).to(tl.float32)
     dl = tl.where(em2, dlog, 0.0).to(RD)

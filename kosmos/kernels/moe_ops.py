@@ -613,6 +613,42 @@ def route_rows_select(logits: torch.Tensor, score_correction_bias: Optional[torc
                                       topk_group, routed_scaling_factor, eps, weights_dtype)
 
 
+def route_rows_weights(logits: torch.Tensor, ids: torch.Tensor, scoring: str, norm_topk_prob: bool,
+                       routed_scaling_factor: float, eps: float,
+                       weights_dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+    """The reference backward's routing weights at the forward's kept ids by kosmos.kernels.route_backward (one
+    launch) when it takes them, else None (the caller runs the torch ops). KOSMOS_ROUTE_BACKWARD: auto (default)
+    or torch (never; for the logits' gradient too: it follows the weights). The report records which ran and why."""
+    from kosmos.kernels import route_backward
+
+    off = env_choice("KOSMOS_ROUTE_BACKWARD", ("auto", "torch"), "auto") == "torch"
+    reason = "KOSMOS_ROUTE_BACKWARD=torch" if off else route_backward.unsupported(logits, ids, scoring,
+                                                                                   weights_dtype)
+    if reason is not None:
+        record_run("router_backward", "torch ops (scores, gather, renormalisation; their backward)", reason)
+        return None
+    return route_backward.launch_weights(logits, ids, scoring, norm_topk_prob, routed_scaling_factor, eps,
+                                         weights_dtype)
+
+
+def router_rows_d_logits(logits: torch.Tensor, ids: torch.Tensor, d_weights: torch.Tensor,
+                         grad_logits: Optional[torch.Tensor], scoring: str, norm_topk_prob: bool,
+                         routed_scaling_factor: float, eps: float) -> Optional[torch.Tensor]:
+    """The reference backward's router logits gradient by kosmos.kernels.route_backward (one launch) after
+    route_rows_weights ran, else None (the caller recomputes the scores and runs the torch ops). The report
+    records which ran and why."""
+    from kosmos.kernels import route_backward
+
+    grad_logits = grad_logits.contiguous() if grad_logits is not None else None
+    reason = route_backward.unsupported(logits, ids, scoring, None, d_weights.contiguous(), grad_logits)
+    if reason is not None:
+        record_run("router_backward", "torch ops (scores, gather, renormalisation; their backward)", reason)
+        return None
+    record_run("router_backward", "kosmos route_backward", "weights and logits gradient at the forward's choices")
+    return route_backward.launch_d_logits(logits, ids, d_weights.contiguous(), grad_logits, scoring, norm_topk_prob,
+                                          routed_scaling_factor, eps)
+
+
 def register() -> None:
     from kosmos.kernels import moe_pairs, moe_rows
 
@@ -630,3 +666,5 @@ def register() -> None:
     dispatch.register_row_kernel("moe_grouped_wgrad", grouped_rows_wgrad)
     dispatch.register_row_kernel("moe_router_logits", router_rows_logits)
     dispatch.register_row_kernel("moe_route_select", route_rows_select)
+    dispatch.register_row_kernel("moe_route_weights", route_rows_weights)
+    dispatch.register_row_kernel("moe_router_d_logits", router_rows_d_logits)

@@ -37,6 +37,77 @@ def _tf32_round(x):
 
 
 @triton.jit
+def scores_of(lg, emask, SIGMOID: tl.constexpr, RD: tl.constexpr, SD_ROUND: tl.constexpr):
+    """The router's scores (fp32 [BT, BLOCK_E]) of logits lg (values of RD; the columns past E masked by emask):
+    the sigmoid, rounded to RD under SD_ROUND, or the softmax over the E columns in fp32."""
+    lf = tl.where(emask[None, :], lg.to(tl.float32), float("-inf"))
+    if SIGMOID:
+        scores = _round(1.0 / (1.0 + tl.exp(-lf)), RD, SD_ROUND)
+    else:
+        mx = tl.max(lf, axis=1)
+        p = tl.exp(lf - mx[:, None])
+        p = tl.where(emask[None, :], p, 0.0)
+        scores = p / tl.sum(p, axis=1)[:, None]
+    return scores
+
+
+@triton.jit
+def scores_at(scores, ids, colk, cols_e, TOP_K: tl.constexpr, KP: tl.constexpr):
+    """scores [BT, BLOCK_E] at each row's top-k ids [BT, KP] -> [BT, KP] (0 past TOP_K)."""
+    vals = tl.zeros(ids.shape, dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        idj = pick(ids, colk, j)
+        vj = tl.sum(tl.where(cols_e[None, :] == idj[:, None], scores, 0.0), axis=1)
+        vals = tl.where(colk[None, :] == j, vj[:, None], vals)
+    return vals
+
+
+@triton.jit
+def routing_weights(vals, kmask_j, rsf, eps, NORM: tl.constexpr, SCALED: tl.constexpr, SIGMOID: tl.constexpr,
+                    RD: tl.constexpr, SD_ROUND: tl.constexpr):
+    """The routing weights (fp32 [BT, KP]) of the chosen experts' scores vals: renormalised over the TOP_K columns
+    (kmask_j; + eps for sigmoid scoring) under NORM, then times rsf under SCALED, each op rounded to RD under
+    SD_ROUND (the reference's scores dtype)."""
+    wts = vals
+    if NORM:
+        denom = _round(tl.sum(tl.where(kmask_j[None, :], vals, 0.0), axis=1), RD, SD_ROUND)
+        if SIGMOID:
+            denom = _round(denom + eps, RD, SD_ROUND)
+        wts = _round(wts / denom[:, None], RD, SD_ROUND)
+    if SCALED:
+        wts = _round(wts * rsf, RD, SD_ROUND)
+    return wts
+
+
+@triton.jit
+def router_d_logits(scores, vals, ids, dw, colk, cols_e, kmask_j, rsf, eps, NORM: tl.constexpr, SCALED: tl.constexpr,
+                    SIGMOID: tl.constexpr, RD: tl.constexpr, SD_ROUND: tl.constexpr, TOP_K: tl.constexpr):
+    """route_backward's logits gradient (fp32 [BT, BLOCK_E], before any grad_router_logits is added) from the
+    scores, the chosen experts' scores vals and ids [BT, KP], and the weights' gradient dw [BT, KP] (fp32 of the
+    values the reference's scores dtype holds), every op in the scores' dtype (rounded to RD under SD_ROUND)."""
+    d = dw
+    if SCALED:
+        d = _round(d * rsf, RD, SD_ROUND)
+    if NORM:
+        denom = _round(tl.sum(tl.where(kmask_j[None, :], vals, 0.0), axis=1), RD, SD_ROUND)
+        if SIGMOID:
+            denom = _round(denom + eps, RD, SD_ROUND)
+        normed = _round(vals / denom[:, None], RD, SD_ROUND)
+        s = _round(tl.sum(tl.where(kmask_j[None, :], _round(d * normed, RD, SD_ROUND), 0.0), axis=1), RD, SD_ROUND)
+        d = _round(_round(d - s[:, None], RD, SD_ROUND) / denom[:, None], RD, SD_ROUND)
+    d_scores = tl.zeros(scores.shape, dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        idj = pick(ids, colk, j)
+        dj = pick(d, colk, j)
+        d_scores = tl.where(cols_e[None, :] == idj[:, None], dj[:, None], d_scores)
+    if SIGMOID:
+        dlog = _round(_round(d_scores * scores, RD, SD_ROUND) * _round(1.0 - scores, RD, SD_ROUND), RD, SD_ROUND)
+    else:
+        dlog = scores * (d_scores - tl.sum(d_scores * scores, axis=1)[:, None])
+    return dlog
+
+
+@triton.jit
 def _finish_logits(acc, cols_e, rb, E, RD: tl.constexpr, HAS_RB: tl.constexpr):
     """Router GEMM sums (fp32) -> logits: + router_bias (rounded to RD), rounded to RD."""
     if HAS_RB:
@@ -205,14 +276,7 @@ def select_tile(tile, lg, cb, ids_ptr, w_ptr, rank_ptr, counts, T, E, rsf, eps,
     cols_e = tl.arange(0, BLOCK_E)
     emask = cols_e < E
     colk = tl.arange(0, KP)
-    lf = tl.where(emask[None, :], lg.to(tl.float32), float("-inf"))
-    if SIGMOID:
-        scores = _round(1.0 / (1.0 + tl.exp(-lf)), RD, SD_ROUND)
-    else:
-        mx = tl.max(lf, axis=1)
-        p = tl.exp(lf - mx[:, None])
-        p = tl.where(emask[None, :], p, 0.0)
-        scores = p / tl.sum(p, axis=1)[:, None]
+    scores = scores_of(lg, emask, SIGMOID, RD, SD_ROUND)
     # selection values (the plain softmax router selects on the scores themselves)
     choice = scores
     if HAS_CB:
@@ -267,14 +331,7 @@ def select_tile(tile, lg, cb, ids_ptr, w_ptr, rank_ptr, counts, T, E, rsf, eps,
         rj = tl.sum(tl.where(cols_e[None, :] == idj[:, None], before, 0), axis=1)
         ranks = tl.where(colk[None, :] == j, rj[:, None], ranks)
     kmask_j = colk < TOP_K
-    wts = vals
-    if NORM:
-        denom = _round(tl.sum(tl.where(kmask_j[None, :], vals, 0.0), axis=1), RD, SD_ROUND)
-        if SIGMOID:
-            denom = _round(denom + eps, RD, SD_ROUND)
-        wts = _round(wts / denom[:, None], RD, SD_ROUND)
-    if SCALED:
-        wts = _round(wts * rsf, RD, SD_ROUND)
+    wts = routing_weights(vals, kmask_j, rsf, eps, NORM, SCALED, SIGMOID, RD, SD_ROUND)
     if not W_F32:
         wts = wts.to(RD).to(tl.float32)
     offs = rows64[:, None] * TOP_K + colk[None, :]

@@ -23,20 +23,27 @@ _SIGMOID_NORM_EPS = 1e-20  # DeepSeek-V3's renormalisation epsilon
 
 def _route_forward(hidden, router_weight, router_bias, score_correction_bias, top_k, scoring, norm_topk_prob,
                    n_group, topk_group, routed_scaling_factor, router_dtype, ids=None, logits=None,
-                   weights_dtype=None):
+                   weights_dtype=None, kernels=True):
     """The router of the module docstring, keeping what its backward needs. ids [T, k] given: those choices
-    instead of the top-k selection (the weights are the scores gathered there, normalised and scaled as usual).
-    logits given: the router GEMM's output (then the state keeps hidden uncast: route_backward wants it cast to
-    router_dtype, which the caller does when it needs it). weights_dtype: the weights' dtype (None: the logits')."""
+    instead of the top-k selection (the weights are the scores gathered there, normalised and scaled as usual; on
+    CUDA by the registered row kernel where it takes them, whose state keeps no scores: _router_d_logits's kernel
+    recomputes them). logits given: the router GEMM's output (then the state keeps hidden uncast: route_backward
+    wants it cast to router_dtype, which the caller does when it needs it). weights_dtype: the weights' dtype
+    (None: the logits'). kernels=False: torch's ops only."""
     # which fp32 operands hold bf16 values (split_mm takes them as one part)
     exact = dict(weight_exact=router_weight.dtype == torch.bfloat16, hidden_exact=hidden.dtype == torch.bfloat16,
                  hidden_dtype=hidden.dtype)
     hidden, router_weight, logits = _router_linear(hidden, router_weight, router_bias, router_dtype, logits)
+    eps = _SIGMOID_NORM_EPS if scoring == "sigmoid" else 0.0
+    kernel = dispatch.row_kernel("moe_route_weights", logits.device) if ids is not None and kernels else None
+    weights = kernel(logits, ids, scoring, norm_topk_prob, routed_scaling_factor, eps, weights_dtype) if kernel else None
+    if weights is not None:
+        kept = dict(scoring=scoring, norm_topk_prob=norm_topk_prob, eps=eps, top_k=top_k)
+        return logits, ids, weights, dict(hidden=hidden, router_weight=router_weight, scores=None, kept=kept, **exact)
     if scoring == "softmax":
         scores = F.softmax(logits, dim=-1, dtype=torch.float32)
     else:
         scores = logits.sigmoid()
-    eps = _SIGMOID_NORM_EPS if scoring == "sigmoid" else 0.0
     if ids is not None:
         ids = ids.long()
         raw = scores.gather(1, ids)
@@ -122,8 +129,21 @@ def route_backward(d_weights, d_logits_out, routed, router_weight, router_bias, 
 
 
 def _router_d_logits(d_weights, d_logits_out, routed, scoring, routed_scaling_factor):
-    """The router's logits gradient [T, E] in the logits dtype (route_backward's first step)."""
+    """The router's logits gradient [T, E] in the logits dtype (route_backward's first step): by the registered row
+    kernel where `routed` came from the weights' kernel and it takes the gradients, else torch's ops (on scores
+    recomputed by them if the state keeps none)."""
     logits, ids, _, st = routed
+    if st["scores"] is None:
+        kept = st["kept"]
+        kernel = dispatch.row_kernel("moe_router_d_logits", logits.device)
+        d_logits = kernel(logits, ids, d_weights, d_logits_out, scoring, kept["norm_topk_prob"], routed_scaling_factor,
+                          kept["eps"]) if kernel is not None else None
+        if d_logits is not None:
+            return d_logits
+        # the scores' state only (hidden is not needed: the logits are given)
+        logits, ids, _, st = _route_forward(logits, st["router_weight"], None, None, kept["top_k"], scoring,
+                                            kept["norm_topk_prob"], 1, 1, routed_scaling_factor, None, ids=ids,
+                                            logits=logits, kernels=False)
     scores = st["scores"]
     d = d_weights.to(scores.dtype)
     if st["scaled"]:

@@ -526,8 +526,9 @@ def test_gpu_router_backward_matches_torch(monkeypatch, layer, T):
     """The backward's router at the forward's kept ids by the registered kernels (kosmos.kernels.route_backward:
     the weights, then the logits' gradient) against torch's ops: Qwen3-MoE's bf16 softmax router, DeepSeek-V3's
     fp32 sigmoid router (x2.5, with a logits gradient), Mixtral's fp32 weights on bf16 logits, a bf16 sigmoid router
-    (every op rounded to bf16). Weights within 1e-6 (fp32) or one unit of bf16's last place; the logits gradient
-    within 1e-5 (fp32) / 2^-7 (bf16) of its largest magnitude."""
+    (every op rounded to bf16). Weights within 4e-6 (fp32: tl.exp's argument rounds, an error of |logit - max| *
+    2^-24; 1.1e-6 seen on an H100) or one unit of bf16's last place; the logits gradient within 1e-5 (fp32) / 2^-7
+    (bf16) of its largest magnitude."""
     import kosmos
     import kosmos.kernels.fused_ops  # noqa: F401
     from kosmos.ops import dispatch
@@ -559,7 +560,7 @@ def test_gpu_router_backward_matches_torch(monkeypatch, layer, T):
     want_w, want_dl, _ = router(False)
     assert w.dtype == want_w.dtype and dl.dtype == want_dl.dtype == dtype
     w_err = ((w.double() - want_w.double()).abs() / want_w.double().abs().clamp(min=1e-30)).max().item()
-    assert w_err <= (1e-6 if w.dtype == torch.float32 else 2.0**-7), w_err
+    assert w_err <= (4e-6 if w.dtype == torch.float32 else 2.0**-7), w_err
     dl_err = ((dl.double() - want_dl.double()).abs().max() / want_dl.double().abs().max()).item()
     assert dl_err <= (1e-5 if dtype == torch.float32 else 2.0**-7), dl_err
     # the weights' kernel with the gradient's declined: the torch ops recompute the scores, the same gradient

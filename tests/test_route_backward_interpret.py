@@ -54,6 +54,11 @@ def _check_case(T, E, k, scoring, norm, scale, dtype, weights_dtype, with_glog):
     eps = moe_math._SIGMOID_NORM_EPS if scoring == "sigmoid" else 0.0
     w = route_backward.routing_weights_of(logits, ids, scoring, norm, scale, eps, weights_dtype)
     dl = route_backward.d_logits_of(logits, ids, d_weights, glog, scoring, norm, scale, eps)
+    plans = len(route_backward._plans)
+    # a second call takes the kept launches: no new plan, the same bits
+    assert torch.equal(route_backward.routing_weights_of(logits, ids, scoring, norm, scale, eps, weights_dtype), w)
+    assert torch.equal(route_backward.d_logits_of(logits, ids, d_weights, glog, scoring, norm, scale, eps), dl)
+    assert len(route_backward._plans) == plans
     assert w.dtype == want_w.dtype and w.shape == (T, k)
     assert dl.dtype == dtype and dl.shape == (T, E)
     # exp is the one approximation: fp32 results agree to its last bits, 16-bit ones to a unit or two of the last
@@ -93,6 +98,24 @@ def test_route_backward_refusals(args, reason):
     ids = torch.zeros(ids_shape, dtype=torch.int32)
     got = route_backward.unsupported(logits, ids, scoring, weights_dtype)
     assert got is not None and reason in got, got
+
+
+def test_a_refusal_is_kept_per_signature(monkeypatch):
+    """The check runs on a signature's first call only; later calls of it get the kept reason."""
+    from kosmos.kernels import route_backward
+
+    calls = []
+    real = route_backward.unsupported
+    monkeypatch.setattr(route_backward, "unsupported", lambda *a: calls.append(1) or real(*a))
+    logits, ids = torch.zeros(4, 64), torch.zeros(4, 8, dtype=torch.int32)
+    for _ in range(3):
+        got = route_backward.weights_or_reason(logits, ids, "softmax", True, 1.0, 0.0)
+        assert got == "logits on cpu (a CUDA kernel)"
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="logits on cpu"):
+        route_backward.routing_weights_of(logits, ids, "softmax", True, 1.0, 0.0)
+    assert route_backward.weights_or_reason(logits[:3], ids[:3], "softmax", True, 1.0, 0.0) is not None
+    assert len(calls) == 2  # another T: another signature
 
 
 def test_route_backward_refuses_gradients_of_other_shapes():

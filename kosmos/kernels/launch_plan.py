@@ -24,11 +24,11 @@ MAX_PLANS = 64
 
 
 def tensor_key(t: Optional[torch.Tensor]) -> Optional[tuple]:
-    """What a plan depends on of tensor t: shape, strides, dtype, address modulo 16 (Triton's alignment
+    """What a plan depends on of tensor t: shape, strides, dtype, device, address modulo 16 (Triton's alignment
     specialization)."""
     if t is None:
         return None
-    return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
 
 
 def device_key(device: torch.device) -> tuple:
@@ -89,6 +89,26 @@ def direct_launch(kernel, compiled, grid: tuple, n_args: int, meta: dict) -> Opt
         return None
     tail = tuple(meta[p.name] if p.name in meta else p.default for p in params[n_args:])
     return DirectLaunch(compiled, grid, tail)
+
+
+class JitLaunch:
+    """kernel[grid](*args, **meta) through Triton's JIT, where no DirectLaunch can be built (the interpreter)."""
+
+    def __init__(self, kernel, grid: tuple, meta: dict):
+        self.kernel, self.grid, self.meta = kernel, grid, meta
+
+    def __call__(self, args: tuple) -> None:
+        self.kernel[self.grid](*args, **self.meta, **runtime.COMPILE_OPTIONS)
+
+
+def kept_launch(kernel, grid: tuple, args: tuple, meta: dict):
+    """A launch of kernel over grid with the constexprs meta, to keep for the calls whose arguments have the key of
+    args: a DirectLaunch of its compiled build, else (the interpreter, a build without the runner) a JitLaunch.
+    Either is called with the positional runtime arguments."""
+    direct = None
+    if not runtime.interpreting():
+        direct = direct_launch(kernel, compiled_build(kernel, grid, args, meta), grid, len(args), meta)
+    return direct or JitLaunch(kernel, grid, meta)
 
 
 def compiled_build(kernel, grid: tuple, args: tuple, meta: dict):

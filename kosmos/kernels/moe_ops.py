@@ -622,13 +622,15 @@ def route_rows_weights(logits: torch.Tensor, ids: torch.Tensor, scoring: str, no
     from kosmos.kernels import route_backward
 
     off = env_choice("KOSMOS_ROUTE_BACKWARD", ("auto", "torch"), "auto") == "torch"
-    reason = "KOSMOS_ROUTE_BACKWARD=torch" if off else route_backward.unsupported(logits, ids, scoring,
-                                                                                   weights_dtype)
-    if reason is not None:
-        record_run("router_backward", "torch ops (scores, gather, renormalisation; their backward)", reason)
+    got = "KOSMOS_ROUTE_BACKWARD=torch" if off else route_backward.weights_or_reason(
+        logits, ids, scoring, norm_topk_prob, routed_scaling_factor, eps, weights_dtype)
+    if isinstance(got, str):
+        record_run("router_backward", _ROUTER_BACKWARD_TORCH, got)
         return None
-    return route_backward.launch_weights(logits, ids, scoring, norm_topk_prob, routed_scaling_factor, eps,
-                                         weights_dtype)
+    return got
+
+
+_ROUTER_BACKWARD_TORCH = "torch ops (scores, gather, renormalisation; their backward)"
 
 
 def router_rows_d_logits(logits: torch.Tensor, ids: torch.Tensor, d_weights: torch.Tensor,
@@ -640,13 +642,13 @@ def router_rows_d_logits(logits: torch.Tensor, ids: torch.Tensor, d_weights: tor
     from kosmos.kernels import route_backward
 
     grad_logits = grad_logits.contiguous() if grad_logits is not None else None
-    reason = route_backward.unsupported(logits, ids, scoring, None, d_weights.contiguous(), grad_logits)
-    if reason is not None:
-        record_run("router_backward", "torch ops (scores, gather, renormalisation; their backward)", reason)
+    got = route_backward.d_logits_or_reason(logits, ids, d_weights.contiguous(), grad_logits, scoring, norm_topk_prob,
+                                            routed_scaling_factor, eps)
+    if isinstance(got, str):
+        record_run("router_backward", _ROUTER_BACKWARD_TORCH, got)
         return None
     record_run("router_backward", "kosmos route_backward", "weights and logits gradient at the forward's choices")
-    return route_backward.launch_d_logits(logits, ids, d_weights.contiguous(), grad_logits, scoring, norm_topk_prob,
-                                          routed_scaling_factor, eps)
+    return got
 
 
 def register() -> None:

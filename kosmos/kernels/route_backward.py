@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kosmos.kernels import runtime
+from kosmos.kernels import launch_plan, runtime
 from kosmos.kernels.moe_route import router_d_logits, routing_weights, scores_at, scores_of
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -120,53 +120,71 @@ def _constexprs(logits: torch.Tensor, top_k: int, scoring: str, norm_topk_prob: 
     return dict(consts, BT=tile_rows(consts["BLOCK_E"]))
 
 
-def routing_weights_of(logits: torch.Tensor, ids: torch.Tensor, scoring: str, norm_topk_prob: bool,
-                       routed_scaling_factor: float, eps: float,
-                       weights_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+# key -> the launch kept for it, or the reason the kernels refuse such arguments (kosmos.kernels.launch_plan)
+_plans = launch_plan.PlanCache()
+
+
+def _launch(kernel, args: tuple, logits, ids, scoring, norm_topk_prob, routed_scaling_factor, weights_dtype,
+            grads=(), meta=None) -> Optional[str]:
+    """kernel over args through the launch kept for this signature (logits, ids and gradients as tensor keys, the
+    router's flags), checked and built on its first call; -> the reason it refuses them (nothing launched), or None.
+    The outputs in args are fresh allocations (the caching allocator's blocks are 512-byte aligned): not keyed."""
+    key = (kernel, launch_plan.device_key(logits.device), launch_plan.tensor_key(logits), launch_plan.tensor_key(ids),
+           scoring, bool(norm_topk_prob), float(routed_scaling_factor), weights_dtype,
+           *(launch_plan.tensor_key(g) for g in grads))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = unsupported(logits, ids, scoring, weights_dtype, *grads)
+        if plan is None:
+            consts = dict(_constexprs(logits, ids.shape[1], scoring, norm_topk_prob, routed_scaling_factor),
+                          **(meta or {}))
+            grid = (triton.cdiv(ids.shape[0], consts["BT"]),)
+            plan = launch_plan.kept_launch(kernel, grid, args, dict(consts, num_warps=NUM_WARPS))
+        _plans.put(key, plan)
+    if isinstance(plan, str):
+        return plan
+    if ids.shape[0]:
+        plan(args)
+    return None
+
+
+def weights_or_reason(logits: torch.Tensor, ids: torch.Tensor, scoring: str, norm_topk_prob: bool,
+                      routed_scaling_factor: float, eps: float, weights_dtype: Optional[torch.dtype] = None):
     """topk_weights [T, k] (in weights_dtype, default the logits') of the router on logits [T, E] at the kept
-    ids [T, k]: the reference's `_route_forward(..., ids=ids)` weights. Raises ValueError where `unsupported`
-    says why."""
-    _refuse(unsupported(logits, ids, scoring, weights_dtype))
-    return launch_weights(logits, ids, scoring, norm_topk_prob, routed_scaling_factor, eps, weights_dtype)
+    ids [T, k]: the reference's `_route_forward(..., ids=ids)` weights; or the reason the kernel refuses them."""
+    weights = torch.empty(ids.shape, dtype=weights_dtype or logits.dtype, device=logits.device)
+    reason = _launch(_weights_kernel, (logits, ids, weights, ids.shape[0], logits.shape[1],
+                                       float(routed_scaling_factor), float(eps)),
+                     logits, ids, scoring, norm_topk_prob, routed_scaling_factor, weights_dtype)
+    return weights if reason is None else reason
 
 
-def d_logits_of(logits: torch.Tensor, ids: torch.Tensor, d_weights: torch.Tensor, grad_logits: Optional[torch.Tensor],
-                scoring: str, norm_topk_prob: bool, routed_scaling_factor: float, eps: float) -> torch.Tensor:
+def d_logits_or_reason(logits: torch.Tensor, ids: torch.Tensor, d_weights: torch.Tensor,
+                       grad_logits: Optional[torch.Tensor], scoring: str, norm_topk_prob: bool,
+                       routed_scaling_factor: float, eps: float):
     """The router's logits gradient [T, E] in the logits' dtype from the weights' gradient d_weights [T, k] (plus
-    grad_logits [T, E], the gradient of the logits output, if given): the reference's `_router_d_logits`.
-    Raises ValueError where `unsupported` says why."""
-    _refuse(unsupported(logits, ids, scoring, None, d_weights, grad_logits))
-    return launch_d_logits(logits, ids, d_weights, grad_logits, scoring, norm_topk_prob, routed_scaling_factor, eps)
-
-
-def _refuse(reason: Optional[str]) -> None:
-    if reason is not None:
-        raise ValueError(f"kosmos route_backward: {reason}")
-
-
-def launch_weights(logits, ids, scoring, norm_topk_prob, routed_scaling_factor, eps, weights_dtype=None):
-    """routing_weights_of for arguments `unsupported` has already accepted."""
-    T, top_k = ids.shape
-    weights = torch.empty(T, top_k, dtype=weights_dtype or logits.dtype, device=logits.device)
-    if T == 0:
-        return weights
-    consts = _constexprs(logits, top_k, scoring, norm_topk_prob, routed_scaling_factor)
-    _weights_kernel[(triton.cdiv(T, consts["BT"]),)](logits, ids, weights, T, logits.shape[1],
-                                                     float(routed_scaling_factor), float(eps), num_warps=NUM_WARPS,
-                                                     **consts, **runtime.COMPILE_OPTIONS)
-    return weights
-
-
-def launch_d_logits(logits, ids, d_weights, grad_logits, scoring, norm_topk_prob, routed_scaling_factor, eps):
-    """d_logits_of for arguments `unsupported` has already accepted."""
-    T, top_k = ids.shape
+    grad_logits [T, E], the gradient of the logits output, if given): the reference's `_router_d_logits`; or the
+    reason the kernel refuses them."""
     d_logits = torch.empty_like(logits)
-    if T == 0:
-        return d_logits
-    consts = _constexprs(logits, top_k, scoring, norm_topk_prob, routed_scaling_factor)
     has_glog = grad_logits is not None
-    _d_logits_kernel[(triton.cdiv(T, consts["BT"]),)](logits, ids, d_weights, grad_logits if has_glog else logits,
-                                                      d_logits, T, logits.shape[1], float(routed_scaling_factor),
-                                                      float(eps), HAS_GLOG=has_glog, num_warps=NUM_WARPS, **consts,
-                                                      **runtime.COMPILE_OPTIONS)
-    return d_logits
+    reason = _launch(_d_logits_kernel, (logits, ids, d_weights, grad_logits if has_glog else logits, d_logits,
+                                        ids.shape[0], logits.shape[1], float(routed_scaling_factor), float(eps)),
+                     logits, ids, scoring, norm_topk_prob, routed_scaling_factor, None, (d_weights, grad_logits),
+                     dict(HAS_GLOG=has_glog))
+    return d_logits if reason is None else reason
+
+
+def routing_weights_of(*args, **kwargs) -> torch.Tensor:
+    """weights_or_reason, raising ValueError with the reason where the kernel refuses the arguments."""
+    return _or_raise(weights_or_reason(*args, **kwargs))
+
+
+def d_logits_of(*args, **kwargs) -> torch.Tensor:
+    """d_logits_or_reason, raising ValueError with the reason where the kernel refuses the arguments."""
+    return _or_raise(d_logits_or_reason(*args, **kwargs))
+
+
+def _or_raise(got):
+    if isinstance(got, str):
+        raise ValueError(f"kosmos route_backward: {got}")
+    return got

@@ -684,7 +684,45 @@ def test_gpu_sorted_pairs_match_torch(monkeypatch, T, k, E):
         assert fused.groups.ends.dtype == torch.int32 and torch.equal(fused.groups.ends, ref.groups.ends)
 
 
-def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch):
+@pytest.fixture
+def choices_not_kept(monkeypatch):
+    """The grouped matmuls' choices made on every call (these tests patch what the choices read between calls)."""
+    from kosmos.kernels import moe_ops
+
+    monkeypatch.setattr(moe_ops, "_kept_choice", lambda key, decide: decide())
+
+
+def test_grouped_choices_are_kept_per_signature(monkeypatch):
+    """A grouped matmul's choice is made on its signature's first call; later calls record the same run, and
+    another operand signature or switch value is decided again."""
+    import kosmos
+    from kosmos.kernels import gemm_ws_host, moe_ops
+
+    decided = []
+    real = gemm_ws_host.grouped_unsupported
+    monkeypatch.setattr(gemm_ws_host, "grouped_unsupported", lambda a, b: decided.append(1) or real(a, b))
+    monkeypatch.delenv("KOSMOS_GROUPED_MM", raising=False)
+    moe_ops._choices.clear()
+    a = torch.randn(10, 64, dtype=torch.bfloat16)
+    b = torch.randn(2, 64, 32, dtype=torch.bfloat16)
+    ends = torch.tensor([4, 10], dtype=torch.int32)
+    kosmos.reset_report()
+    for _ in range(3):
+        assert moe_ops.grouped_rows_mm(a, b, ends) is None
+    assert len(decided) == 1
+    ((key, n),) = [(k, n) for k, n in kosmos.report().runtime.items() if k[0] == "grouped_mm"]
+    assert key[1] == "torch._grouped_mm" and n == 3
+    moe_ops.grouped_rows_mm(a[:9], b, ends)
+    assert len(decided) == 2
+    monkeypatch.setenv("KOSMOS_GROUPED_MM", "torch")
+    assert moe_ops.grouped_rows_mm(a, b, ends) is None
+    assert ("grouped_mm", "torch._grouped_mm", "KOSMOS_GROUPED_MM=torch") in kosmos.report().runtime
+    monkeypatch.setenv("KOSMOS_GROUPED_MM", "fastest")
+    with pytest.raises(ValueError, match="KOSMOS_GROUPED_MM"):
+        moe_ops.grouped_rows_mm(a, b, ends)
+
+
+def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch, choices_not_kept):
     """The ragged-M grouped matmuls' kernel choice: KOSMOS_GROUPED_MM=torch, operands the kernel cannot take (here:
     no sm_90 GPU) and, on auto (the default), weights below WIDE_EXPERT per expert run torch._grouped_mm with the
     reason recorded; auto at WIDE_EXPERT and kosmos_m take kosmos's kernel with m-fastest tiles (auto claimed from
@@ -757,7 +795,7 @@ def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch):
         grouped_rows_mm(a, b, ends)
 
 
-def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch):
+def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch, choices_not_kept):
     """The weight gradients' kernel choice: KOSMOS_GROUPED_WGRAD=torch, operands the kernel cannot take (here: no
     sm_90 GPU, or fp32) and, on auto, gradients below WIDE_EXPERT all run torch._grouped_mm with the reason
     recorded; kosmos's kernel runs the two-consumer config up to PINGPONG_MAX_ROWS rows per expert, the wide one

@@ -45,6 +45,7 @@ from typing import Optional
 
 import torch
 
+from kosmos.kernels import launch_plan, runtime
 from kosmos.ops import dispatch
 from kosmos.ops.moe import no_saved_up
 from kosmos.reporting import record_run
@@ -438,22 +439,32 @@ WIDE_EXPERT = 14_000_000
 CLAIMED_EXPERT = 6_000_000
 
 
-def _kosmos_mode(op: str, env: str, modes: tuple[str, ...], unsupported, shape: tuple[int, int],
-                 what: str, every_size: str, min_elements: int = WIDE_EXPERT, record: bool = True) -> Optional[str]:
-    """env's mode (one of modes: "auto", the default, takes kosmos's kernel for per-expert matrices `shape` of
-    min_elements or more; "torch" never) when kosmos's kernel for `op` runs, else None with the run of
-    torch._grouped_mm and its reason recorded (if `record`). unsupported(): why the kernel cannot take the
-    operands, or None."""
+def _kosmos_mode(env: str, modes: tuple[str, ...], unsupported, shape: tuple[int, int], what: str, every_size: str,
+                 min_elements: int = WIDE_EXPERT) -> tuple[Optional[str], Optional[str]]:
+    """(env's mode, None) when kosmos's kernel runs, else (None, the reason torch._grouped_mm runs). env's modes:
+    "auto", the default, takes kosmos's kernel for per-expert matrices `shape` of min_elements or more; "torch"
+    never. unsupported(): why the kernel cannot take the operands, or None."""
     mode = env_choice(env, modes, "auto")
     reason = f"{env}=torch" if mode == "torch" else unsupported()
     if reason is None and mode == "auto" and shape[0] * shape[1] < min_elements:
         reason = (f"a {shape[0]} x {shape[1]} {what} per expert, where torch's kernel is as fast (kosmos's from "
                   f"{min_elements} elements here; {env}={every_size} for every size)")
-    if reason is not None:
-        if record:
-            record_run(op, "torch._grouped_mm", reason)
-        return None
-    return mode
+    return (None, reason) if reason is not None else (mode, None)
+
+
+# (op, the operands' tensor keys, row and group counts, the switches' values) -> (kosmos's choice or None, the
+# reason torch._grouped_mm runs): the grouped matmuls' choices, made on a signature's first call (their checks are
+# 20-35 us of host time a call, four calls a Qwen3-30B-A3B backward step; RESULTS.md fifty-ninth session)
+_choices = launch_plan.PlanCache()
+
+
+def _kept_choice(key: tuple, decide) -> tuple:
+    key = key + (runtime.interpreting(),)
+    kept = _choices.get(key)
+    if kept is None:
+        kept = decide()
+        _choices.put(key, kept)
+    return kept
 
 
 def _grouped_auto_size(rows: int, groups: int) -> tuple[bool, int]:
@@ -470,19 +481,29 @@ def _grouped_choice(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, record
     """(m_fastest, claim, config) of kosmos's ragged-M grouped GEMM for these operands by KOSMOS_GROUPED_MM /
     KOSMOS_GROUPED_CONFIG (grouped_rows_mm's docstring), or None where torch._grouped_mm runs (recorded if
     `record`). rows: A's row count where a is the source its rows are gathered from (default a's)."""
+    key = ("grouped_mm", launch_plan.tensor_key(a), launch_plan.tensor_key(b), ends.numel(), rows,
+           os.environ.get("KOSMOS_GROUPED_MM"), os.environ.get("KOSMOS_GROUPED_CONFIG"))
+    choice, reason = _kept_choice(key, lambda: _decide_grouped(a, b, ends, rows))
+    if reason is not None and record:
+        record_run("grouped_mm", "torch._grouped_mm", reason)
+    return choice
+
+
+def _decide_grouped(a, b, ends, rows) -> tuple:
+    """_grouped_choice's (choice, reason) without the memo."""
     from kosmos.kernels import gemm_ws_host
 
     claimed, least = _grouped_auto_size(a.shape[0] if rows is None else rows, ends.numel())
-    mode = _kosmos_mode("grouped_mm", "KOSMOS_GROUPED_MM", ("auto", "kosmos", "kosmos_m", "kosmos_mc", "torch"),
-                        lambda: gemm_ws_host.grouped_unsupported(a, b), b.shape[1:], "weight", "kosmos_m", least,
-                        record)
+    mode, reason = _kosmos_mode("KOSMOS_GROUPED_MM", ("auto", "kosmos", "kosmos_m", "kosmos_mc", "torch"),
+                                lambda: gemm_ws_host.grouped_unsupported(a, b), b.shape[1:], "weight", "kosmos_m",
+                                least)
     if mode is None:
-        return None
+        return None, reason
     claim = mode == "kosmos_mc" or (mode == "auto" and claimed)
     config = os.environ.get("KOSMOS_GROUPED_CONFIG") or gemm_ws_host.grouped_config(claim)
     if config not in gemm_ws_host.GROUPED_CONFIGS:
         raise ValueError(f"KOSMOS_GROUPED_CONFIG={config!r}: expected one of {sorted(gemm_ws_host.GROUPED_CONFIGS)}")
-    return mode != "kosmos", claim, config
+    return (mode != "kosmos", claim, config), None
 
 
 def _grouped_impl(m_fastest: bool, claim: bool, config: str) -> str:
@@ -568,9 +589,13 @@ def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> 
     elements or more), kosmos (whenever it takes them), torch (never). The report records which ran and why."""
     from kosmos.kernels import gemm_ws_host
 
-    if _kosmos_mode("grouped_wgrad", "KOSMOS_GROUPED_WGRAD", ("auto", "kosmos", "torch"),
-                    lambda: gemm_ws_host.grouped_wgrad_unsupported(a, b), (a.shape[1], b.shape[1]), "gradient",
-                    "kosmos") is None:
+    key = ("grouped_wgrad", launch_plan.tensor_key(a), launch_plan.tensor_key(b), ends.numel(),
+           os.environ.get("KOSMOS_GROUPED_WGRAD"))
+    mode, reason = _kept_choice(key, lambda: _kosmos_mode(
+        "KOSMOS_GROUPED_WGRAD", ("auto", "kosmos", "torch"), lambda: gemm_ws_host.grouped_wgrad_unsupported(a, b),
+        (a.shape[1], b.shape[1]), "gradient", "kosmos"))
+    if mode is None:
+        record_run("grouped_wgrad", "torch._grouped_mm", reason)
         return None
     config = gemm_ws_host.wgrad_config(a.shape[0], ends.numel())
     tail = gemm_ws_host.wgrad_tail(config, a.shape[0], ends.numel())

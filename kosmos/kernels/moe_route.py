@@ -1,6 +1,8 @@
 """Routing pieces of the fused MoE forward (kosmos.kernels.moe): the ROUTE task's router GEMM + softmax + top-k of
 one token tile (or, after RGEMM tasks computed a block of tokens x experts of the logits each, its top-k from the
-stored logits), the SCAN of the per-tile expert counts into fixed row bases, and the sorted row of each pair.
+stored logits), the SCAN of the per-tile expert counts into fixed row bases, and the sorted row of each pair. The
+scores, the routing weights and the router's logits gradient are helpers of their own, which the fused backward
+(kosmos.kernels.moe_backward) and the reference's row kernels (route_select, route_backward) call too.
 
 Positions are deterministic: a ROUTE tile stores its per-expert pair counts (from the selection mask, in registers,
 plain stores) and each pair's rank among the tile's pairs of the same expert (token order); the scan turns the

@@ -65,6 +65,16 @@ def scores_at(scores, ids, colk, cols_e, TOP_K: tl.constexpr, KP: tl.constexpr):
 
 
 @triton.jit
+def _norm_denominator(vals, kmask_j, eps, SIGMOID: tl.constexpr, RD: tl.constexpr, SD_ROUND: tl.constexpr):
+    """The renormalisation's denominator [BT] of the chosen experts' scores vals: their sum over the TOP_K columns
+    (kmask_j), + eps for sigmoid scoring, each op rounded to RD under SD_ROUND."""
+    denom = _round(tl.sum(tl.where(kmask_j[None, :], vals, 0.0), axis=1), RD, SD_ROUND)
+    if SIGMOID:
+        denom = _round(denom + eps, RD, SD_ROUND)
+    return denom
+
+
+@triton.jit
 def routing_weights(vals, kmask_j, rsf, eps, NORM: tl.constexpr, SCALED: tl.constexpr, SIGMOID: tl.constexpr,
                     RD: tl.constexpr, SD_ROUND: tl.constexpr):
     """The routing weights (fp32 [BT, KP]) of the chosen experts' scores vals: renormalised over the TOP_K columns
@@ -72,10 +82,7 @@ def routing_weights(vals, kmask_j, rsf, eps, NORM: tl.constexpr, SCALED: tl.cons
     SD_ROUND (the reference's scores dtype)."""
     wts = vals
     if NORM:
-        denom = _round(tl.sum(tl.where(kmask_j[None, :], vals, 0.0), axis=1), RD, SD_ROUND)
-        if SIGMOID:
-            denom = _round(denom + eps, RD, SD_ROUND)
-        wts = _round(wts / denom[:, None], RD, SD_ROUND)
+        wts = _round(wts / _norm_denominator(vals, kmask_j, eps, SIGMOID, RD, SD_ROUND)[:, None], RD, SD_ROUND)
     if SCALED:
         wts = _round(wts * rsf, RD, SD_ROUND)
     return wts
@@ -91,9 +98,7 @@ def router_d_logits(scores, vals, ids, dw, colk, cols_e, kmask_j, rsf, eps, NORM
     if SCALED:
         d = _round(d * rsf, RD, SD_ROUND)
     if NORM:
-        denom = _round(tl.sum(tl.where(kmask_j[None, :], vals, 0.0), axis=1), RD, SD_ROUND)
-        if SIGMOID:
-            denom = _round(denom + eps, RD, SD_ROUND)
+        denom = _norm_denominator(vals, kmask_j, eps, SIGMOID, RD, SD_ROUND)
         normed = _round(vals / denom[:, None], RD, SD_ROUND)
         s = _round(tl.sum(tl.where(kmask_j[None, :], _round(d * normed, RD, SD_ROUND), 0.0), axis=1), RD, SD_ROUND)
         d = _round(_round(d - s[:, None], RD, SD_ROUND) / denom[:, None], RD, SD_ROUND)

@@ -38,7 +38,7 @@ def _route_forward(hidden, router_weight, router_bias, score_correction_bias, to
     kernel = dispatch.row_kernel("moe_route_weights", logits.device) if ids is not None and kernels else None
     weights = kernel(logits, ids, scoring, norm_topk_prob, routed_scaling_factor, eps, weights_dtype) if kernel else None
     if weights is not None:
-        kept = dict(scoring=scoring, norm_topk_prob=norm_topk_prob, eps=eps, top_k=top_k)
+        kept = dict(norm_topk_prob=norm_topk_prob, eps=eps, top_k=top_k)
         return logits, ids, weights, dict(hidden=hidden, router_weight=router_weight, scores=None, kept=kept, **exact)
     if scoring == "softmax":
         scores = F.softmax(logits, dim=-1, dtype=torch.float32)

@@ -66,3 +66,22 @@ def test_direct_launch_refused_where_the_jit_must_bind():
     assert launch_plan.direct_launch(missing, compiled, (1,), 1, {}) is None
     assert launch_plan.direct_launch(missing, None, (1,), 1, {"B": 1}) is None
     assert launch_plan.direct_launch(missing, compiled, (1,), 1, {"B": 1}) is not None
+
+
+def test_carved_parts_start_on_16_byte_boundaries_and_do_not_overlap():
+    for dtype in (torch.int64, torch.int32, torch.bfloat16, torch.uint8):
+        parts = launch_plan.carved(dtype, "cpu", 3, 5, 1, 16, 0, 7)
+        assert [p.numel() for p in parts] == [3, 5, 1, 16, 0, 7]
+        assert all(p.dtype == dtype and p.is_contiguous() for p in parts)
+        assert all(p.data_ptr() % 16 == 0 for p in parts if p.numel())
+        spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in parts if p.numel())
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
+def test_arg_key_tells_apart_what_triton_binds_a_build_by():
+    buf = torch.zeros(40, dtype=torch.float16)
+    key = launch_plan.arg_key(buf[:8])
+    assert key == launch_plan.arg_key(buf[8:16]) and key != launch_plan.arg_key(buf[4:12])
+    assert key != launch_plan.arg_key(buf[:8].float())
+    assert launch_plan.arg_key(16) != launch_plan.arg_key(17)
+    assert launch_plan.arg_key(1) != launch_plan.arg_key(True) and launch_plan.arg_key(1) != launch_plan.arg_key(1.0)

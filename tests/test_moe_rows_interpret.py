@@ -62,13 +62,47 @@ def _check_fold(T, k, H, w_dtype, out_dtype, tile):
     return {"equal": True}
 
 
+def _check_kept_launch():
+    """launch_plan.launch keeps one launch per signature: a second fold of the same signature adds none and gives the
+    same bits; rows 8 bytes off a 16-byte boundary, another row count and another constexpr each add one."""
+    from kosmos.kernels import launch_plan, moe_rows
+
+    launch_plan._launches.clear()
+    g = torch.Generator().manual_seed(5)
+    buf = torch.randn(41 * 48 + 4, generator=g).to(torch.float16)
+    rows, shifted = buf[: 41 * 48].view(41, 48), buf[4 : 4 + 41 * 48].view(41, 48)
+    row = torch.randperm(41, generator=g)[:40].view(20, 2).contiguous()
+    outs = [torch.empty(20, 48) for _ in range(2)]
+    for out in outs:
+        moe_rows.launch_fold(rows, row, None, None, out, (8, 32, 4))
+    assert len(launch_plan._launches) == 1 and torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], _torch_fold(rows, row))
+    moe_rows.launch_fold(shifted, row, None, None, outs[0], (8, 32, 4))
+    assert len(launch_plan._launches) == 2 and torch.equal(outs[0], _torch_fold(shifted, row))
+    moe_rows.launch_fold(rows, row[:10], None, None, outs[1][:10], (8, 32, 4))
+    assert len(launch_plan._launches) == 3 and torch.equal(outs[1][:10], _torch_fold(rows, row[:10]))
+    moe_rows.launch_fold(rows, row, None, None, outs[1], (16, 32, 4))
+    assert len(launch_plan._launches) == 4 and torch.equal(outs[1], _torch_fold(rows, row))
+    return {"plans": len(launch_plan._launches)}
+
+
+def _torch_fold(rows, row):
+    from kosmos.ops import moe_math
+
+    return moe_math._fold(rows, row.view(-1), row.shape[0], row.shape[1], torch.float32)
+
+
+KEPT_CASES = {"kept_launch": ()}
+
+
 def _main():
     cases = {f"case_{n}": (lambda c=c: _check_case(*c)) for n, c in CASES.items()}
     cases.update({f"case_{n}": (lambda c=c: _check_fold(*c)) for n, c in FOLD_CASES.items()})
-    _interp.run_cases(list(CASES) + list(FOLD_CASES), cases)
+    cases["case_kept_launch"] = _check_kept_launch
+    _interp.run_cases(list(CASES) + list(FOLD_CASES) + list(KEPT_CASES), cases)
 
 
-report, test_interpreted_case = _interp.case_tests(__file__, {**CASES, **FOLD_CASES}, timeout=300)
+report, test_interpreted_case = _interp.case_tests(__file__, {**CASES, **FOLD_CASES, **KEPT_CASES}, timeout=300)
 
 
 if __name__ == "__main__":

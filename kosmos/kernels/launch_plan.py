@@ -8,7 +8,8 @@ launcher reads. So a call that finds its key finds the same config and the same 
 would pick (tests/test_moe_kernel_gpu.py checks the kernel against Triton's own binding). The runner it launches
 through, CompiledKernel[grid], takes every parameter's value in order, constexprs included, from triton 3.6 to 3.9
 (their sources). Measured on an H100's host (benchmarks/moe_forward_host.py, RESULTS.md fifty-eighth session): the
-fused MoE forward's host work per call went from 280 to 140 us at Qwen3-30B-A3B T = 4096.
+fused MoE forward's host work per call went from 280 to 140 us at Qwen3-30B-A3B T = 4096. `launch` keeps the
+compiled kernel of launches whose only host work is Triton's binding (the reference backward's row kernels).
 """
 from __future__ import annotations
 
@@ -109,6 +110,43 @@ def kept_launch(kernel, grid: tuple, args: tuple, meta: dict):
     if not runtime.interpreting():
         direct = direct_launch(kernel, compiled_build(kernel, grid, args, meta), grid, len(args), meta)
     return direct or JitLaunch(kernel, grid, meta)
+
+
+# (kernel, grid, constexprs, device, argument signature) -> the launch `launch` keeps for it
+_launches = PlanCache()
+
+
+def arg_key(a: Any) -> tuple:
+    """What Triton specializes a build on of argument a: a tensor's dtype and address modulo 16, a scalar's type
+    and value (finer than Triton's own int32 / 16-divisible / 1 classes: a new value makes a new key, not another
+    build)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16
+    return type(a), a
+
+
+def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
+    """kernel[grid](*args, **meta) through the launch kept for this call's signature (kept_launch, made on its first
+    call): for launches whose host work is Triton's JIT alone, whose checks and constexprs the caller makes. The key
+    holds the grid, the constexprs, the current device and arg_key of every argument: what the JIT binds a build
+    by."""
+    interpreting = runtime.interpreting()
+    device = None if interpreting else torch.cuda.current_device()
+    key = (kernel, grid, tuple(meta.items()), device, *map(arg_key, args))
+    plan = _launches.get(key)
+    if plan is None:
+        plan = kept_launch(kernel, grid, args, meta)
+        _launches.put(key, plan)
+    plan(args)
+
+
+def carved(dtype: torch.dtype, device, *numels: int) -> list:
+    """1-d tensors of these lengths from one allocation, each starting on a 16-byte boundary as a fresh one does (what
+    the kernels' fresh outputs are specialized on): one allocation's host time where there were len(numels)."""
+    per = max(1, 16 // dtype.itemsize)
+    padded = [-(-n // per) * per for n in numels]
+    parts = torch.empty(sum(padded), dtype=dtype, device=device).split(padded)
+    return [part if n == p else part[:n] for part, n, p in zip(parts, numels, padded)]
 
 
 def compiled_build(kernel, grid: tuple, args: tuple, meta: dict):

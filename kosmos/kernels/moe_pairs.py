@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kosmos.kernels import runtime
+from kosmos.kernels import launch_plan, runtime
 
 C = 128  # pairs per chunk: the in-chunk rank compares C x C ids
 BB = 64  # experts per step of the counts and of the scan
@@ -102,23 +102,19 @@ def sorted_pairs(topk_ids: torch.Tensor, num_experts: int):
     S, E, device = T * k, num_experts, topk_ids.device
     if S + E >= 2**31:
         raise ValueError(f"kosmos moe_pairs: {S} pairs and {E} experts overflow int32 rows")
-    long = dict(dtype=torch.int64, device=device)
-    counts, pads = torch.empty(E, **long), torch.empty(E, **long)
-    token, pair, row = torch.empty(S + E, **long), torch.empty(S + E, **long), torch.empty(S, **long)
-    ends = torch.empty(E, dtype=torch.int32, device=device)
     nc = triton.cdiv(S, C)
-    hist = torch.empty(max(nc, 1), E + 1, dtype=torch.int32, device=device)
-    totals = torch.empty(E + 1, dtype=torch.int32, device=device)
-    start = torch.empty(E + 1, dtype=torch.int32, device=device)
+    # two allocations (nine tensors: each allocation is host time in a backward that waits on its launches)
+    token, pair, row, counts, pads = launch_plan.carved(torch.int64, device, S + E, S + E, S, E, E)
+    ends, totals, start, hist = launch_plan.carved(torch.int32, device, E, E + 1, E + 1, max(nc, 1) * (E + 1))
     if nc:
-        _chunk_counts_kernel[(nc,)](topk_ids, hist, S, E, C=C, BB=BB, num_warps=4, **runtime.COMPILE_OPTIONS)
-        _chunk_offsets_kernel[(triton.cdiv(E + 1, BB),)](hist, totals, nc, E, CB=CB, BB=BB, num_warps=4,
-                                                         **runtime.COMPILE_OPTIONS)
+        launch_plan.launch(_chunk_counts_kernel, (nc,), (topk_ids, hist, S, E), C=C, BB=BB, num_warps=4)
+        launch_plan.launch(_chunk_offsets_kernel, (triton.cdiv(E + 1, BB),), (hist, totals, nc, E), CB=CB, BB=BB,
+                           num_warps=4)
     else:
         totals.zero_()
-    _group_starts_kernel[(1,)](totals, start, counts, pads, ends, pair, token, S, T, E,
-                               EB=triton.next_power_of_2(E + 1), num_warps=4, **runtime.COMPILE_OPTIONS)
+    launch_plan.launch(_group_starts_kernel, (1,), (totals, start, counts, pads, ends, pair, token, S, T, E),
+                       EB=triton.next_power_of_2(E + 1), num_warps=4)
     if nc:
-        _pair_rows_kernel[(nc,)](topk_ids, hist, start, row, pair, token, S, E, k, C=C, num_warps=4,
-                                 **runtime.COMPILE_OPTIONS)
+        launch_plan.launch(_pair_rows_kernel, (nc,), (topk_ids, hist, start, row, pair, token, S, E, k), C=C,
+                           num_warps=4)
     return counts, token, pair, row, pads, ends

@@ -15,6 +15,9 @@ math for other devices.
         rows[row[t, j]] (* weights[t, j], each product rounded to P = promote(rows, weights)), + add; fp32 out, or
         with weights P (then cast to dtype if given)
 
+Every launch goes through launch_plan.launch (the compiled kernel kept per argument signature: in a backward that
+waits on the host's launches, Triton's per-call binding is time the device idles).
+
 act is rounded as the ops round it (silu and the product in h's dtype, then `dtype`); the backward's arithmetic
 runs in fp32 and is rounded once at the end (eager rounds after every op: differences are at that dtype's
 rounding level)."""
@@ -27,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kosmos.kernels import runtime
+from kosmos.kernels import launch_plan
 
 BR = 16  # rows per program
 BC = 256  # columns per step
@@ -66,8 +69,8 @@ def swiglu_rows(h: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.T
     S, I = h.shape[0], h.shape[1] // 2
     act = torch.empty(S, I, dtype=dtype or h.dtype, device=h.device)
     if act.numel():
-        _swiglu_rows_kernel[(triton.cdiv(S, 64), triton.cdiv(I, 256))](h, act, S, I, BR=64, BC=256, num_warps=4,
-                                                                       **runtime.COMPILE_OPTIONS)
+        launch_plan.launch(_swiglu_rows_kernel, (triton.cdiv(S, 64), triton.cdiv(I, 256)), (h, act, S, I), BR=64,
+                           BC=256, num_warps=4)
     return act
 
 
@@ -128,9 +131,9 @@ def swiglu_rows_backward(h: torch.Tensor, d_au: torch.Tensor, w: torch.Tensor, i
     d_h = h if in_place else torch.empty_like(h)
     d_w = torch.empty(S, dtype=torch.float32, device=h.device)
     if S:
-        _swiglu_rows_backward_kernel[(triton.cdiv(S, BR),)](h, d_au, w, d_h, d_w, d_au if act_w is None else act_w,
-                                                            S, I, IN_PLACE=in_place, ACT_W=act_w is not None, BR=BR,
-                                                            BC=BC, num_warps=4, **runtime.COMPILE_OPTIONS)
+        launch_plan.launch(_swiglu_rows_backward_kernel, (triton.cdiv(S, BR),),
+                           (h, d_au, w, d_h, d_w, d_au if act_w is None else act_w, S, I), IN_PLACE=in_place,
+                           ACT_W=act_w is not None, BR=BR, BC=BC, num_warps=4)
     return d_h, d_w
 
 
@@ -193,10 +196,10 @@ def launch_fold(rows, row, weights, add, out, tile: tuple = FOLD_TILE) -> None:
     (T, k), H = row.shape, rows.shape[1]
     round_p = weights is not None and torch.promote_types(rows.dtype, weights.dtype) != torch.float32
     bt, bh, warps = tile
-    _fold_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
-        rows, row, weights if weights is not None else rows, add if add is not None else rows, out, T, H, TOP_K=k,
-        HAS_W=weights is not None, ROUND_P=round_p, HAS_ADD=add is not None, BT=bt, BH=bh, num_warps=warps,
-        **runtime.COMPILE_OPTIONS)
+    launch_plan.launch(_fold_kernel, (triton.cdiv(T, bt), triton.cdiv(H, bh)),
+                       (rows, row, weights if weights is not None else rows, add if add is not None else rows, out, T,
+                        H), TOP_K=k, HAS_W=weights is not None, ROUND_P=round_p, HAS_ADD=add is not None, BT=bt,
+                       BH=bh, num_warps=warps)
 
 
 @triton.jit
@@ -222,6 +225,6 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, dtype: Optional[torch.dt
     if out.numel():
         # 64 x 256: the fastest of seven tiles on an H200 (benchmarks/RESULTS.md, fifteenth session)
         grid = (triton.cdiv(index.shape[0], 64), triton.cdiv(C, 256))
-        _gather_rows_kernel[grid](src, index, out, index.shape[0], src.shape[0], C, BR=64, BC=256, num_warps=4,
-                                  **runtime.COMPILE_OPTIONS)
+        launch_plan.launch(_gather_rows_kernel, grid, (src, index, out, index.shape[0], src.shape[0], C), BR=64,
+                           BC=256, num_warps=4)
     return out

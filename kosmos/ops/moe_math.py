@@ -522,8 +522,12 @@ def experts_backward_saved_rows(grad_out, hidden, rows, topk_weights, gate_up_pr
     w_rows = rows.gather(topk_weights.reshape(-1), rows.pair)
     d_h, d_w_rows, d_gate_up, d_down = _experts_backward_saved_(grad_out, hidden, rows, w_rows, saved_up,
                                                                 gate_up_proj, down_proj, wgrads)
-    d_weights = d_w_rows[rows.row].view(num_tokens, top_k).to(topk_weights.dtype)
-    return d_h, d_weights, d_gate_up, d_down
+    kernel = dispatch.row_kernel("moe_gather_rows", d_w_rows.device)
+    if kernel is not None and d_w_rows.is_contiguous():  # the index and the cast in one launch
+        d_weights = kernel(d_w_rows, rows.row, topk_weights.dtype)
+    else:
+        d_weights = d_w_rows[rows.row].to(topk_weights.dtype)
+    return d_h, d_weights.view(num_tokens, top_k), d_gate_up, d_down
 
 
 def experts_backward(grad_out, hidden, topk_ids, topk_weights, gate_up_proj, down_proj, activation: str = "silu",

@@ -93,16 +93,36 @@ def _torch_fold(rows, row):
 
 
 KEPT_CASES = {"kept_launch": ()}
+# gather cases (source rows, elements per row, index length): one element a row (the per-pair weights, d_weights),
+# a row narrower than the default tile, one wider; fp32 in, fp16 out, indices past the source read zeros
+GATHER_CASES = {"gather_one_element_rows": (300, (), 700), "gather_narrow_rows": (50, (96,), 130),
+                "gather_wide_rows": (40, (3, 100), 70)}
+
+
+def _check_gather(N, row_shape, R):
+    from kosmos.kernels import moe_rows
+
+    g = torch.Generator().manual_seed(N + R)
+    src = torch.randn(N, *row_shape, generator=g)
+    index = torch.randint(-2, N + 3, (R,), generator=g)
+    got = torch.full((R, *row_shape), float("nan"), dtype=torch.float16)
+    moe_rows.launch_gather(src, index, got)
+    inside = (index >= 0) & (index < N)
+    want = torch.where(inside.view(-1, *[1] * len(row_shape)), src[index.clamp(0, N - 1)], 0).to(torch.float16)
+    assert torch.equal(got, want)
+    return {"outside": int((~inside).sum())}
 
 
 def _main():
     cases = {f"case_{n}": (lambda c=c: _check_case(*c)) for n, c in CASES.items()}
     cases.update({f"case_{n}": (lambda c=c: _check_fold(*c)) for n, c in FOLD_CASES.items()})
     cases["case_kept_launch"] = _check_kept_launch
-    _interp.run_cases(list(CASES) + list(FOLD_CASES) + list(KEPT_CASES), cases)
+    cases.update({f"case_{n}": (lambda c=c: _check_gather(*c)) for n, c in GATHER_CASES.items()})
+    _interp.run_cases(list(CASES) + list(FOLD_CASES) + list(KEPT_CASES) + list(GATHER_CASES), cases)
 
 
-report, test_interpreted_case = _interp.case_tests(__file__, {**CASES, **FOLD_CASES, **KEPT_CASES}, timeout=300)
+report, test_interpreted_case = _interp.case_tests(__file__, {**CASES, **FOLD_CASES, **KEPT_CASES, **GATHER_CASES},
+                                                   timeout=300)
 
 
 if __name__ == "__main__":

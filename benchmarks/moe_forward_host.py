@@ -14,12 +14,13 @@ import torch
 from moe_trace import layer_inputs
 
 
-def host_us(fn, calls: int, rounds: int) -> list:
-    """us per call of `calls` calls of fn, enqueued behind a device sleep, in each of `rounds` rounds."""
+def host_us(fn, calls: int, rounds: int, sleep_cycles: int = int(2e9)) -> list:
+    """us per call of `calls` calls of fn, enqueued behind a device sleep of sleep_cycles (the default ~1 s at
+    1.98 GHz; it must outlast the host's enqueueing), in each of `rounds` rounds."""
     out = []
     for _ in range(rounds):
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e9))  # ~1 s at 1.98 GHz: longer than the host's enqueueing
+        torch.cuda._sleep(sleep_cycles)
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()

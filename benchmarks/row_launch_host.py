@@ -9,21 +9,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-
-def host_us(fn, calls: int) -> float:
-    """us per call of `calls` calls of fn, enqueued behind a device sleep longer than their enqueueing."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(1e8))  # ~50 ms at 1.98 GHz
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return us
+from moe_forward_host import host_us
 
 
 def _jit_launch(kernel, grid, args, **meta):
@@ -69,7 +58,7 @@ def main() -> None:
             launch_plan.launch = launch
             try:
                 for name, fn in calls.items():
-                    got[name, way].append(host_us(fn, args.calls))
+                    got[name, way] += host_us(fn, args.calls, 1, sleep_cycles=int(1e8))  # ~50 ms at 1.98 GHz
             finally:
                 launch_plan.launch = kept_launch
     print(f"T={T} E={E} k={k} H={H} I={I}: host us per call, median of {args.rounds} rounds of {args.calls} calls")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import types
 
-import pytest
 import torch
 
 from kosmos.kernels import launch_plan
@@ -77,15 +76,6 @@ def test_carved_parts_start_on_16_byte_boundaries_and_do_not_overlap():
         assert all(p.data_ptr() % 16 == 0 for p in parts if p.numel())
         spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in parts if p.numel())
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
-
-
-def test_carved_parts_start_on_the_boundary_asked_for():
-    parts = launch_plan.carved(torch.bfloat16, "cpu", 3, 300, 0, 1, align=512)
-    assert [p.numel() for p in parts] == [3, 300, 0, 1]
-    assert all(p.data_ptr() % 512 == parts[0].data_ptr() % 512 for p in parts if p.numel())
-    assert parts[1].data_ptr() - parts[0].data_ptr() == 512 and parts[3].data_ptr() - parts[1].data_ptr() == 1024
-    with pytest.raises(ValueError, match="multiple of 16"):
-        launch_plan.carved(torch.int32, "cpu", 4, align=24)
 
 
 def test_arg_key_tells_apart_what_triton_binds_a_build_by():

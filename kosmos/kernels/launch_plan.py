@@ -140,13 +140,10 @@ def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
     plan(args)
 
 
-def carved(dtype: torch.dtype, device, *numels: int, align: int = 16) -> list:
-    """1-d tensors of these lengths from one allocation, each starting on an `align`-byte boundary (a multiple of 16,
-    the boundary the kernels' fresh outputs are specialized on; the caching allocator's own is 512): one allocation's
-    host time where there were len(numels). The parts live as long as any of them does."""
-    if align % 16 or align % dtype.itemsize:
-        raise ValueError(f"carved: align {align} must be a multiple of 16 and of {dtype}'s size")
-    per = max(1, align // dtype.itemsize)
+def carved(dtype: torch.dtype, device, *numels: int) -> list:
+    """1-d tensors of these lengths from one allocation, each starting on a 16-byte boundary as a fresh one does (what
+    the kernels' fresh outputs are specialized on): one allocation's host time where there were len(numels)."""
+    per = max(1, 16 // dtype.itemsize)
     padded = [-(-n // per) * per for n in numels]
     parts = torch.empty(sum(padded), dtype=dtype, device=device).split(padded)
     return [part if n == p else part[:n] for part, n, p in zip(parts, numels, padded)]

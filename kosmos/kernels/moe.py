@@ -977,22 +977,17 @@ def _moe_forward(plan: _ForwardPlan, key, hidden, router_weight, router_bias, sc
     if not return_router_logits:
         logits_arg = torch.empty((T, E) if cfg.router_gemm else (1,), dtype=rd, device=device)
     ids = torch.empty(T, top_k, **i32)
+    ranks = torch.empty(T, top_k, **i32)
     wts = torch.empty(T, top_k, dtype=torch.float32, device=device)
+    counts = torch.empty(n_tiles, E, **i32)
+    meta = torch.empty(3 * E, **i32)
     tpe = torch.empty(E, **i32)
-    # the call's own buffers carved from one allocation per dtype (none is returned: a custom op's outputs may not
-    # share storage, and a returned part would keep the rest alive);
     # gather_up: the UP tiles load their rows from hidden through perm (sorted row -> token), no x_sorted
-    n_perm = max(pairs, 1) if cfg.gather_up else 1
-    ranks, counts, meta, perm = launch_plan.carved(torch.int32, device, pairs, n_tiles * E, 3 * E, n_perm)
-    ranks, counts = ranks.view(T, top_k), counts.view(n_tiles, E)
-    x_rows = 1 if cfg.gather_up else pairs
-    if gate_up_proj.dtype == down_proj.dtype:
-        act, y, x_sorted = launch_plan.carved(down_proj.dtype, device, pairs * I, pairs * H, x_rows * H, align=512)
-    else:
-        act, y = launch_plan.carved(down_proj.dtype, device, pairs * I, pairs * H, align=512)
-        x_sorted = torch.empty(x_rows * H, dtype=gate_up_proj.dtype, device=device)
-    act, y, x_sorted = act.view(pairs, I), y.view(pairs, H), x_sorted.view(x_rows, H)
+    x_sorted = torch.empty(1 if cfg.gather_up else pairs, H, dtype=gate_up_proj.dtype, device=device)
+    perm = torch.empty(max(pairs, 1) if cfg.gather_up else 1, **i32)
+    act = torch.empty(pairs, I, dtype=down_proj.dtype, device=device)
     saved_up = torch.empty(pairs + E if save_up else 1, two_i, dtype=gate_up_proj.dtype, device=device)
+    y = torch.empty(pairs, H, dtype=down_proj.dtype, device=device)
     out = torch.empty(T, H, dtype=hidden.dtype, device=device)
     x_desc = TensorDescriptor(x_sorted, [x_sorted.shape[0], H], [H, 1], [cfg.bm, cfg.bk])
     if cfg.joint_gate_up:

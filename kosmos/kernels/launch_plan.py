@@ -142,7 +142,9 @@ def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
 
 def carved(dtype: torch.dtype, device, *numels: int) -> list:
     """1-d tensors of these lengths from one allocation, each starting on a 16-byte boundary as a fresh one does (what
-    the kernels' fresh outputs are specialized on): one allocation's host time where there were len(numels)."""
+    the kernels' fresh outputs are specialized on). Its split and slices cost host time too: on an H100's host a CUDA
+    torch.empty took 2.4 us, a four-way split 4.6 and a slice 1.6 (RESULTS.md, sixty-first session), so a carve
+    saves time only for many parts of lengths that need no slice."""
     per = max(1, 16 // dtype.itemsize)
     padded = [-(-n // per) * per for n in numels]
     parts = torch.empty(sum(padded), dtype=dtype, device=device).split(padded)

@@ -648,9 +648,9 @@ def test_gpu_gather_rows_matches_torch(monkeypatch, T, k, E, H, src_dtype, dtype
     rows = moe_math._SortedPairs(ids, E)
     src = torch.randn(T, H, device="cuda", generator=g).to(src_dtype)
     w = torch.rand(T * k, device="cuda", generator=g)
-    assert dispatch.row_kernel("moe_gather_rows", src.device) is not None
-    d_w = torch.randn(T * k + E, device="cuda", generator=g)  # per-row values back to the pairs, cast (d_weights)
     kernel = dispatch.row_kernel("moe_gather_rows", src.device)
+    assert kernel is not None
+    d_w = torch.randn(T * k + E, device="cuda", generator=g)  # per-row values back to the pairs, cast (d_weights)
     fused = rows.gather(src, dtype=dtype), rows.gather(w, rows.pair), kernel(d_w, rows.row, torch.bfloat16)
     monkeypatch.setattr(dispatch, "row_kernel", lambda name, device: None)
     ref = rows.gather(src, dtype=dtype), rows.gather(w, rows.pair), d_w[rows.row].to(torch.bfloat16)

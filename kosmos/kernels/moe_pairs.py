@@ -103,11 +103,13 @@ def sorted_pairs(topk_ids: torch.Tensor, num_experts: int):
     if S + E >= 2**31:
         raise ValueError(f"kosmos moe_pairs: {S} pairs and {E} experts overflow int32 rows")
     nc = triton.cdiv(S, C)
-    # two allocations for nine tensors. Measured on an H100's host (RESULTS.md, sixty-first session): the int64 carve
-    # takes 9.6 us against 11.2 for five allocations, but the int32 one 14.1 against 9.1 for four (its slices); four
-    # allocations there wait for a GPU run of that change
+    # the int64 five from one allocation (no slices at these lengths): 9.6 us against 11.2 for five on an H100's host
+    # (RESULTS.md, sixty-first session); the int32 four as four, since their carve's split and slices took 14.1 us
+    # against 9.1
     token, pair, row, counts, pads = launch_plan.carved(torch.int64, device, S + E, S + E, S, E, E)
-    ends, totals, start, hist = launch_plan.carved(torch.int32, device, E, E + 1, E + 1, max(nc, 1) * (E + 1))
+    i32 = dict(dtype=torch.int32, device=device)
+    ends, totals, start = torch.empty(E, **i32), torch.empty(E + 1, **i32), torch.empty(E + 1, **i32)
+    hist = torch.empty(max(nc, 1) * (E + 1), **i32)
     if nc:
         launch_plan.launch(_chunk_counts_kernel, (nc,), (topk_ids, hist, S, E), C=C, BB=BB, num_warps=4)
         launch_plan.launch(_chunk_offsets_kernel, (triton.cdiv(E + 1, BB),), (hist, totals, nc, E), CB=CB, BB=BB,

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CPU test suite (what CI runs): sets up .venv, then pytest; "no tests ran" counts as a failure.
-# With no arguments the suite runs as two pytest processes at once, one a core: most of a test's time is
-# single-threaded (Dynamo, AOT, Inductor's Python), so one process leaves the second core idle. Arguments run one
-# pytest with them, as before.
+# With no arguments the suite runs in two steps: the files whose tests run in one process, as two pytest processes at
+# once (most of such a test's time is single-threaded Dynamo, AOT and Inductor Python: one process leaves a core
+# idle); then the files whose tests spawn gloo ranks (which fill both cores themselves), as one pytest. Arguments run
+# one pytest with them. KOSMOS_TEST_SHARDS=1 runs the whole suite as one pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh || exit 1
@@ -22,25 +23,32 @@ if [ "$#" -gt 0 ] || [ "$(nproc)" -lt 2 ] || [ "${KOSMOS_TEST_SHARDS:-2}" = 1 ];
   exit $?
 fi
 
-# The second shard: the files whose tests spawn gloo ranks (several processes each) and the HF family suite, about
-# two fifths of the single-process time; new files land in the first shard. Each shard keeps one intra-op thread
-# so that the two do not oversubscribe the cores.
-second=(tests/test_numerics_gloo.py tests/test_ep.py tests/test_moe_hf_ep.py tests/test_moe_ddp.py
-        tests/test_moe_titan_ep.py tests/test_tp_sp_numerics.py tests/test_parallel.py tests/test_moe_families.py)
+# Files whose tests spawn gloo ranks, and about half of the rest's single-process time (tests/test_moe_numerics.py
+# is a third of it); new files join the other half.
+multiproc=(tests/test_numerics_gloo.py tests/test_ep.py tests/test_moe_hf_ep.py tests/test_moe_ddp.py
+           tests/test_moe_titan_ep.py tests/test_tp_sp_numerics.py)
+half=(tests/test_moe_numerics.py tests/test_moe_kernel_interpret.py tests/test_kernels_interpret.py
+      tests/test_backend.py)
 ignores=()
-for f in "${second[@]}"; do
-  [ -f "$f" ] || { echo "scripts/test.sh: $f is gone: update the shard list" >&2; exit 1; }
+for f in "${multiproc[@]}" "${half[@]}"; do
+  [ -f "$f" ] || { echo "scripts/test.sh: $f is gone: update its lists" >&2; exit 1; }
   ignores+=("--ignore=$f")
 done
-log2=$(mktemp /tmp/kosmos_shard2.XXXXXX)
-OMP_NUM_THREADS=1 run_pytest "${second[@]}" > "$log2" 2>&1 &
-pid2=$!
+
+log=$(mktemp /tmp/kosmos_tests.XXXXXX)
+trap 'rm -f "$log"' EXIT
+echo "===== 1/3 and 2/3 at once: single-process files (2/3's output follows 1/3's) ====="
+# one intra-op thread each: two processes of two OpenMP threads would oversubscribe the cores
+OMP_NUM_THREADS=1 run_pytest "${half[@]}" > "$log" 2>&1 &
+pid=$!
 OMP_NUM_THREADS=1 run_pytest tests "${ignores[@]}"
 rc1=$?
-wait "$pid2"
+wait "$pid"
 rc2=$?
-echo "===== second shard (${second[*]}) ====="
-cat "$log2"
-rm -f "$log2"
-echo "shards: first exit $rc1, second exit $rc2"
-[ "$rc1" -eq 0 ] && [ "$rc2" -eq 0 ]
+echo "===== 2/3: ${half[*]} ====="
+cat "$log"
+echo "===== 3/3: files that spawn gloo ranks ====="
+run_pytest "${multiproc[@]}"
+rc3=$?
+echo "scripts/test.sh: exit codes $rc1 / $rc2 / $rc3"
+[ "$rc1" -eq 0 ] && [ "$rc2" -eq 0 ] && [ "$rc3" -eq 0 ]

@@ -40,11 +40,17 @@ trap 'rm -f "$log"' EXIT
 echo "===== 1/3 and 2/3 at once: single-process files (2/3's output follows 1/3's) ====="
 # one intra-op thread each: two processes of two OpenMP threads would oversubscribe the cores
 OMP_NUM_THREADS=1 run_pytest "${half[@]}" > "$log" 2>&1 &
-pid=$!
-OMP_NUM_THREADS=1 run_pytest tests "${ignores[@]}"
+pid2=$!
+OMP_NUM_THREADS=1 run_pytest tests "${ignores[@]}" &
+pid1=$!
+# both in the background, so that a signal reaches this trap at once (not after a foreground pytest ends) and an
+# interrupted run takes both pytest processes with it
+trap 'pkill -P "$pid1"; pkill -P "$pid2"; kill "$pid1" "$pid2" 2>/dev/null; exit 130' INT TERM
+wait "$pid1"
 rc1=$?
-wait "$pid"
+wait "$pid2"
 rc2=$?
+trap - INT TERM
 echo "===== 2/3: ${half[*]} ====="
 cat "$log"
 echo "===== 3/3: files that spawn gloo ranks ====="

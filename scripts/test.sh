@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CPU test suite (what CI runs): sets up .venv, then pytest; "no tests ran" counts as a failure.
-# With no arguments the suite runs in two steps: the files whose tests run in one process, as two pytest processes at
-# once (most of such a test's time is single-threaded Dynamo, AOT and Inductor Python: one process leaves a core
-# idle); then the files whose tests spawn gloo ranks (which fill both cores themselves), as one pytest. Arguments run
+# With no arguments the suite runs in two steps: the tests that run in one process, as two pytest processes at once
+# (most of such a test's time is single-threaded Dynamo, AOT and Inductor Python: one process leaves a core idle);
+# then the tests that spawn gloo ranks (which fill both cores themselves; marked multiproc), as one pytest. Arguments run
 # one pytest with them. KOSMOS_TEST_SHARDS=1 runs the whole suite as one pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,25 +23,24 @@ if [ "$#" -gt 0 ] || [ "$(nproc)" -lt 2 ] || [ "${KOSMOS_TEST_SHARDS:-2}" = 1 ];
   exit $?
 fi
 
-# Files whose tests spawn gloo ranks, and about half of the rest's single-process time (tests/test_moe_numerics.py
-# is a third of it); new files join the other half.
-multiproc=(tests/test_numerics_gloo.py tests/test_ep.py tests/test_moe_hf_ep.py tests/test_moe_ddp.py
-           tests/test_moe_titan_ep.py tests/test_tp_sp_numerics.py)
+# About half of the single-process tests' time (tests/test_moe_numerics.py is a third of it); new files join the
+# other half. The tests that spawn gloo ranks carry the multiproc marker (tests/_dist.py's run_ranks refuses them to
+# a test without it), wherever they are.
 half=(tests/test_moe_numerics.py tests/test_moe_kernel_interpret.py tests/test_kernels_interpret.py
       tests/test_backend.py tests/test_moe_families.py)
 ignores=()
-for f in "${multiproc[@]}" "${half[@]}"; do
-  [ -f "$f" ] || { echo "scripts/test.sh: $f is gone: update its lists" >&2; exit 1; }
+for f in "${half[@]}"; do
+  [ -f "$f" ] || { echo "scripts/test.sh: $f is gone: update its list" >&2; exit 1; }
   ignores+=("--ignore=$f")
 done
 
 log=$(mktemp /tmp/kosmos_tests.XXXXXX)
 trap 'rm -f "$log"' EXIT
-echo "===== 1/3 and 2/3 at once: single-process files (2/3's output follows 1/3's) ====="
+echo "===== 1/3 and 2/3 at once: single-process tests (2/3's output follows 1/3's) ====="
 # one intra-op thread each: two processes of two OpenMP threads would oversubscribe the cores
-OMP_NUM_THREADS=1 run_pytest "${half[@]}" > "$log" 2>&1 &
+OMP_NUM_THREADS=1 run_pytest -m "not multiproc" "${half[@]}" > "$log" 2>&1 &
 pid2=$!
-OMP_NUM_THREADS=1 run_pytest tests "${ignores[@]}" &
+OMP_NUM_THREADS=1 run_pytest -m "not multiproc" tests "${ignores[@]}" &
 pid1=$!
 # both in the background, so that a signal reaches this trap at once (not after a foreground pytest ends) and an
 # interrupted run takes both pytest processes with it
@@ -53,8 +52,8 @@ rc2=$?
 trap - INT TERM
 echo "===== 2/3: ${half[*]} ====="
 cat "$log"
-echo "===== 3/3: files that spawn gloo ranks ====="
-run_pytest "${multiproc[@]}"
+echo "===== 3/3: tests that spawn gloo ranks (marked multiproc) ====="
+run_pytest -m multiproc tests
 rc3=$?
 echo "scripts/test.sh: exit codes $rc1 / $rc2 / $rc3"
 [ "$rc1" -eq 0 ] && [ "$rc2" -eq 0 ] && [ "$rc3" -eq 0 ]

@@ -33,6 +33,10 @@ import torch.multiprocessing as mp
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
+# (node id, whether it carries the `multiproc` marker) of the pytest test being set up or run; conftest.py sets it.
+# scripts/test.sh runs the multiproc tests on their own, since their gloo ranks fill the cores themselves.
+current_test: tuple[str, bool] | None = None
+
 
 def _worker(rank: int, world_size: int, store_path: str, result_dir: str, fn: Callable, args: tuple, threads: int,
             backend: str = "gloo") -> None:
@@ -82,6 +86,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, threads: int = 1, backe
     built again (about a fifth of tests/test_numerics_gloo.py's time on 2 cores). Not its FX graph cache: a
     graph loaded from another compile would skip the kosmos passes, and that rank's kosmos.report() would miss
     the rewrites."""
+    if backend == "gloo" and world_size > 1 and current_test is not None and not current_test[1]:
+        raise RuntimeError(f"{current_test[0]} spawns {world_size} gloo ranks: mark it @pytest.mark.multiproc "
+                           "(scripts/test.sh runs those tests on their own)")
     with tempfile.TemporaryDirectory(prefix="kosmos_dist_") as tmp:
         store_path = os.path.join(tmp, "store")
         env = {"TORCHINDUCTOR_CACHE_DIR": _ranks_inductor_cache(), "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}

@@ -507,29 +507,6 @@ def test_gather_up_bit_identical():
     _option_keeps_bits(dict(gather_up=True), seed=11, column_slice=True)
 
 
-def test_early_claim_bit_identical():
-    """MoeConfig.early_claim (a program claims its next task when it starts one): the same bits as claiming after
-    each task, and no hang (a held claim never blocks a wait), on a DeepSeek-V3-like layer (RGEMM tasks, two fold
-    groups) with and without gather_up, over grid sizes; the counters zeroed after each launch."""
-    import dataclasses
-
-    from kosmos.kernels import moe
-
-    h, rw, gu, d = make(3000, 1024, 320, 64, torch.bfloat16, seed=12)
-    args = (h, rw.float(), None, torch.zeros(64, device="cuda"), gu, d, 8)
-    kw = dict(return_router_logits=True, return_routing=True, save_up=True, scoring="sigmoid", n_group=8,
-              topk_group=4, routed_scaling_factor=2.5, router_dtype=torch.float32)
-    for gather in (False, True):
-        cfg = dataclasses.replace(moe.forward_configs(h, gu)[0], fold_groups=2, router_gemm=1, gather_up=gather)
-        first = moe.moe_forward(*args, config=cfg, **kw)
-        for programs in (None, 7):
-            again = moe.moe_forward(*args, config=dataclasses.replace(cfg, early_claim=True), programs=programs, **kw)
-            for a, b in zip(first, again):
-                assert torch.equal(a, b), (gather, programs)
-            torch.cuda.synchronize()
-            assert int(moe.control(h.device).ctrl.abs().sum()) == 0
-
-
 @pytest.mark.parametrize("group_blocks", [4, 16])
 def test_group_blocks_bit_identical(group_blocks):
     """UP / DOWN tasks claimed G blocks at a time (MoeConfig.group_blocks): the same bits as block by block, with

@@ -26,7 +26,7 @@ CASES = ["fp16_top2_renorm", "fp32_top1_bias_scaled", "fp16_router_fp32_no_renor
          "saved_up_all_on_one_expert_top1", "saved_up_exact_integers", "saved_up_one_token", "trace_rows",
          "exception_midway_leaves_counters_zeroed", "fold_groups_same_bits", "task_kind_matches_layout",
          "router_gemm_deepseek_fp16", "router_gemm_fp32_bias_ragged_experts", "joint_gate_up_same_bits",
-         "gather_up_same_bits", "early_claim_same_bits", "group_blocks_same_bits", "plan_kept_per_signature"]
+         "gather_up_same_bits", "group_blocks_same_bits", "plan_kept_per_signature"]
 
 
 # ----------------------------------------------------------------------------------------------- cases (subprocess)
@@ -330,29 +330,6 @@ def case_gather_up_same_bits(torch):
             same = all(_same_bits(torch, a, b) for a, b in zip(ref, run))
             assert same, f"{hid.dtype} save_up={save_up} joint={joint} programs={p}: differ"
         assert torch.isfinite(ref[0]).all()
-    return {}
-
-
-def case_early_claim_same_bits(torch):
-    # early_claim (a program claims its next task when it starts one): the same bits as claiming after each task,
-    # every task kind in the stream (RGEMM tasks, ROUTE, SCAN, SCATTER, UP, DOWN / FOLD in 2 column groups), with
-    # and without gather_up, 1 and 3 programs; every counter zeroed again after the launch (the extra claims too).
-    from kosmos.kernels import moe
-
-    h, rw, gu, d = _inputs(torch, 45, 160, 48, 5, torch.float16, 21)
-    args = (h, rw, None, None, gu, d, 2)
-    for gather in (False, True):
-        base = _interp_config(fold_groups=2, router_gemm=1, gather_up=gather)
-        with _NanWorkspaces(torch):
-            ref = moe.moe_forward(*args, config=base, return_routing=True, save_up=True)
-        for p in (1, 3):
-            with _NanWorkspaces(torch):
-                run = moe.moe_forward(*args, config=_interp_config(fold_groups=2, router_gemm=1, gather_up=gather,
-                                                                   early_claim=True),
-                                      programs=p, return_routing=True, save_up=True)
-            assert all(_same_bits(torch, a, b) for a, b in zip(ref, run)), f"gather_up={gather} programs={p}"
-            ctl = moe.control(h.device)
-            assert int(ctl.ctrl.abs().sum()) == 0, ctl.ctrl.tolist()
     return {}
 
 

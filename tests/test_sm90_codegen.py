@@ -205,7 +205,7 @@ def _compile_moe_forward(cfg, consts: dict, router: str, router_weight: str = No
                              BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=True, USE_ASM=True,
                              FOLD_GROUPS=cfg.fold_groups, ROUTER_GEMM=cfg.router_gemm == 1, RGEMM_TMA=rgemm_tma,
                              RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, JOINT_GU=cfg.joint_gate_up,
-                             GATHER_UP=cfg.gather_up, EARLY_CLAIM=cfg.early_claim, TRACE=False, W_F32=w_f32,
+                             GATHER_UP=cfg.gather_up, TRACE=False, W_F32=w_f32,
                              GROUP_BLOCKS=cfg.group_blocks),
                         dict(ctrl="i32", hidden=BF, rw=router_weight or router, rb=router, cb=router, logits=router,
                              ids_ptr="i32", w_ptr="fp32", rank_ptr="i32", counts="i32", meta="i32", tpe="i32",
@@ -220,18 +220,16 @@ def _compile_moe_forward(cfg, consts: dict, router: str, router_weight: str = No
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, div16=MOE_DIV16)
 
 
-@pytest.mark.parametrize("early_claim", [False, True], ids=["claim_after", "early_claim"])
 @pytest.mark.parametrize("fold_groups", [1, 4])
-def test_moe_forward(fold_groups, early_claim):
+def test_moe_forward(fold_groups):
     """The MoE forward kernel as the Qwen3 layers run it (wide tiles, bf16, saved up projection; DOWN / FOLD in one
-    or four column groups), claiming its next task after each task or when it starts one (early_claim): no wgmma
-    serialization. It does spill (255 registers: the router's [BT, E] tiles), outside the UP / DOWN K loops."""
+    or four column groups): no wgmma serialization. It does spill (255 registers: the router's [BT, E] tiles),
+    outside the UP / DOWN K loops."""
     import dataclasses
 
     from kosmos.kernels import moe
 
-    cfg = dataclasses.replace(moe.CONFIGS["default"], fold_groups=fold_groups, early_claim=early_claim,
-                              **moe.wide_forward(128))
+    cfg = dataclasses.replace(moe.CONFIGS["default"], fold_groups=fold_groups, **moe.wide_forward(128))
     consts = _qwen3_routing()
     _report(_compile_moe_forward(cfg, consts, BF))
 

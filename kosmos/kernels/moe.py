@@ -402,8 +402,7 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
                        DOWN_PRECISION: tl.constexpr, SAVE_UP: tl.constexpr, USE_ASM: tl.constexpr,
                        FOLD_GROUPS: tl.constexpr, ROUTER_GEMM: tl.constexpr, RGEMM_TMA: tl.constexpr,
                        RBM: tl.constexpr, RBN: tl.constexpr, BKG: tl.constexpr, JOINT_GU: tl.constexpr,
-                       GATHER_UP: tl.constexpr = False,
-                       EARLY_CLAIM: tl.constexpr = False, TRACE: tl.constexpr = False, W_F32: tl.constexpr = False,
+                       GATHER_UP: tl.constexpr = False, TRACE: tl.constexpr = False, W_F32: tl.constexpr = False,
                        GROUP_BLOCKS: tl.constexpr = 1):
     err_host = err_host.to(tl.pointer_type(tl.int32))  # host-mapped (pinned) mirror
     err = ctrl + C_ERR
@@ -425,9 +424,6 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
     logits_ready = 0  # the RGEMM tasks seen complete (ROUTE waits for them with ROUTER_GEMM)
     t = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
     while (t < n_tasks) & (status == 0):
-        t_next = t
-        if EARLY_CLAIM:  # the next claim's round trip overlaps this task (MoeConfig.early_claim)
-            t_next = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
         u = t - n_rg
         kind, grp, idx = _task_kind(tl.maximum(u, 0), scan_task, scatter0, up0, down0, n_down, n_tiles, FOLD_GROUPS)
         kind = tl.where(u < 0, 6, kind)
@@ -507,10 +503,7 @@ def moe_forward_kernel(ctrl, err_host, timeout_ns,
         if status == ERR_TIMEOUT:
             record_local_error(err, err_host, OP_ID, t)
         if status == 0:
-            if EARLY_CLAIM:
-                t = t_next
-            else:
-                t = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
+            t = tl.atomic_add(ctrl + C_CLAIM, 1, sem="relaxed", scope="gpu")
     if (status == 0) & (pend > 0):
         _publish(ctrl + pend_word, pend, USE_ASM)
     # count out; the last program zeroes every counter for the next launch (graph replays included)
@@ -541,16 +534,13 @@ class MoeConfig:
     bits are expected: test_joint_gate_up_bit_identical checks it on the GPU); on in WIDE_FORWARD. gather_up: no
     x_sorted copy; the UP tiles load their x rows from hidden through the sorted row -> token map the SCATTER tasks
     write (the same values into the same dots: the same bits); saves the copy's T*k*H writes and memory (Qwen3-235B
-    T = 16384: 1 GiB); opt-in: not faster on an H200 (RESULTS.md, twenty-first session). early_claim: a program
-    claims its next task when it starts one, meant to overlap the claim's atomic round trip (between tasks: 1.4% of
-    the SM-time of the UP phase, 3.4% of the DOWN phase, twentieth session's trace) with the task; a held claim never
-    blocks (every task waits only on tasks of lower index and lower kind, and the program holding one runs it right
-    after a task of lower index); opt-in: within 0.4% of the default on an H200 (twenty-first session). Its PTX
-    shows why: Triton hands the atomic's result to every thread through shared memory behind a bar.sync right where
-    the atomic is issued, so the program still waits out the round trip there. group_blocks: the
-    order of the UP and DOWN tasks: block by block, every weight chunk of a block before the next block (1); or G
-    blocks at a time, chunk by chunk, so that G blocks read one chunk of an expert's weight while it is in L2
-    (forward_configs: for experts whose weights far exceed the L2, as Mixtral's: group_blocks())."""
+    T = 16384: 1 GiB); opt-in: not faster on an H200 (RESULTS.md, twenty-first session). (Claiming the next task
+    when a task starts, to overlap the claim's atomic round trip, was within 0.4% of this and was removed: Triton
+    hands the atomic's result to every thread behind a bar.sync where it is issued; RESULTS.md, twenty-first and
+    sixty-third sessions.) group_blocks: the order of the UP and DOWN tasks: block by block, every weight chunk of
+    a block before the next block (1); or G blocks at a time, chunk by chunk, so that G blocks read one chunk of an
+    expert's weight while it is in L2 (forward_configs: for experts whose weights far exceed the L2, as Mixtral's:
+    group_blocks())."""
     bt: int = 64
     bkr: int = 64
     bm: int = 128
@@ -569,7 +559,6 @@ class MoeConfig:
     bkg: int = 32
     joint_gate_up: bool = False
     gather_up: bool = False
-    early_claim: bool = False
     group_blocks: int = 1
 
     def __post_init__(self):
@@ -946,7 +935,7 @@ def _plan_forward(hidden, router_weight, router_bias, score_correction_bias, gat
                 BK=cfg.bk, BN=cfg.bn, BK2=cfg.bk2, BH=cfg.bh, SCAN_T=cfg.scan_t, SAVE_UP=bool(save_up),
                 USE_ASM=not interp, FOLD_GROUPS=layout.groups, ROUTER_GEMM=bool(cfg.router_gemm),
                 RGEMM_TMA=rgemm_tma, RBM=cfg.rbm, RBN=cfg.rbn, BKG=cfg.bkg, JOINT_GU=bool(cfg.joint_gate_up),
-                GATHER_UP=bool(cfg.gather_up), EARLY_CLAIM=bool(cfg.early_claim), TRACE=trace is not None,
+                GATHER_UP=bool(cfg.gather_up), TRACE=trace is not None,
                 W_F32=w_f32, GROUP_BLOCKS=cfg.group_blocks,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return _ForwardPlan(cfg, layout, meta, (P,), split, rgemm_tma)

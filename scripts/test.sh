@@ -2,8 +2,8 @@
 # The CPU test suite (what CI runs): sets up .venv, then pytest; "no tests ran" counts as a failure.
 # With no arguments the suite runs in two steps: the tests that run in one process, as two pytest processes at once
 # (most of such a test's time is single-threaded Dynamo, AOT and Inductor Python: one process leaves a core idle);
-# then the tests that spawn gloo ranks (which fill both cores themselves; marked multiproc), as one pytest. Arguments run
-# one pytest with them. KOSMOS_TEST_SHARDS=1 runs the whole suite as one pytest.
+# then the tests that spawn gloo ranks (which fill both cores themselves; marked multiproc), as one pytest.
+# Arguments run one pytest with them. KOSMOS_TEST_SHARDS=1 runs the whole suite as one pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh || exit 1

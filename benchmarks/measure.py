@@ -98,6 +98,15 @@ def bench_calls(fn, warmup_ms: float, rep_ms: float, min_reps: int = 10, synced:
     return sorted(times)[len(times) // 2]
 
 
+def window_spread(times: list) -> float:
+    """(slowest - fastest) / median of one timing window's calls after its first, which also pays the host's start:
+    how far that window's median could have landed (RESULTS.md, sixty-sixth session). nan with fewer than three."""
+    rest = sorted(times[1:])
+    if len(rest) < 2:
+        return float("nan")
+    return (rest[-1] - rest[0]) / rest[len(rest) // 2]
+
+
 def heat(fn, seconds: float = 2.0, flush: bool = False) -> None:
     """Runs fn back to back for `seconds`: the GPU's clocks settle at their loaded (power-capped) level, so
     the first timing of a run is not taken at an idle GPU's boost clock. The host waits for the chunk of calls

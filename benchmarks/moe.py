@@ -41,7 +41,7 @@ import time
 import torch
 
 from kosmos.kernels.moe_ops import fused_env
-from measure import bench_calls, heat, rel_err, speedup_plot
+from measure import bench_calls, heat, rel_err, speedup_plot, window_spread
 
 LAYERS = {
     "qwen3_30b_a3b": dict(family="qwen3_moe", H=2048, I=768, E=128, k=8),
@@ -97,7 +97,7 @@ def timed(fn, args, res: dict, key: str) -> float:
     """measure.bench_calls: at least --min-reps timed calls (the fifth to eighth sessions' do_bench timed a 90 ms
     training step once), back to back unless --synced; after --heat seconds of fn back to back. With --samples,
     res[f"calls_{key}"] gets the wall-clock window (time.time() at its start and end, to set beside a clock log)
-    and every timed call's ms."""
+    and every timed call's ms; res[f"spread_{key}"] always gets the window's spread (measure.window_spread)."""
     if args.tiny:
         fn()
         return float("nan")
@@ -108,6 +108,7 @@ def timed(fn, args, res: dict, key: str) -> float:
     calls = []
     t0 = time.time()
     ms = bench_calls(fn, args.warmup, args.rep, args.min_reps, synced=args.synced, samples=calls)
+    res[f"spread_{key}"] = window_spread(calls)
     if args.samples:
         res[f"calls_{key}"] = {"window": [t0, time.time()], "ms": [round(c, 4) for c in calls]}
     return ms
@@ -230,6 +231,11 @@ def table(results) -> str:
             cells.append(f"{times} {r.get(f'{kind}_inductor', float('nan')) / best:>6.2f}")
         peak = f"{r.get('peak_gib_inductor', float('nan')):.2f} / {r.get('peak_gib_kosmos_default', float('nan')):.2f}"
         lines.append(f"{r['layer']:>14} {r['T']:>6} | fwd ms: {cells[0]} | fwd+bwd ms: {cells[1]} | {ok} | {peak}")
+    spreads = [f"{r['layer']} {r['T']}: " + ", ".join(f"{c} {r[f'spread_fwdbwd_{c}']:.1%}" for c in cols
+                                                     if f"spread_fwdbwd_{c}" in r)
+               for r in results if any(k.startswith("spread_fwdbwd_") for k in r)]
+    if spreads:
+        lines.append("fwd+bwd spread inside the timing window, (slowest - fastest) / median: " + "; ".join(spreads))
     if any(r.get("frozen") for r in results):
         lines.append(f"frozen (requires_grad False, no gradient asked for): {results[0]['frozen']}")
     if any(r.get("cudagraphs") for r in results):

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from kosmos.kernels import runtime
+from kosmos.kernels import launch_plan, runtime
 
 
 @functools.lru_cache(maxsize=1)
@@ -31,14 +31,65 @@ def gluon_missing() -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple, dtype: torch.dtype):
+    """The default NVMMA shared layout of a `block` of dtype (what the Gluon kernels allocate their shared memory
+    with); kept, as it is the same for every call of a block and dtype."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def _descriptor(t: torch.Tensor, shape, lead: int, block):
     """A host TMA descriptor over t as [shape] with row stride lead, block `block`, the block's default NVMMA
-    layout (what the Gluon kernels allocate their shared memory with)."""
-    from triton.experimental.gluon import language as gl
+    layout."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    el = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    return TensorDescriptor(t, shape, [lead, 1], block, gl.NVMMASharedLayout.get_default_for(block, el))
+    return TensorDescriptor(t, shape, [lead, 1], block, _shared_layout(tuple(block), t.dtype))
+
+
+class HostDescriptor:
+    """_descriptor's fields without its checks: what the grouped launches build each call. A signature's first call
+    launches through the JIT with the checked TensorDescriptor (`checked`); the direct launch kept for it then takes
+    these as they are (Triton's launcher reads base, shape, strides and padding), their `key` holding everything
+    the checks read."""
+    __slots__ = ("base", "shape", "strides", "block_shape", "layout", "padding")
+
+    def __init__(self, t: torch.Tensor, shape: list, lead: int, block: list):
+        self.base, self.shape, self.strides, self.block_shape = t, shape, [lead, 1], block
+        self.layout, self.padding = _shared_layout(tuple(block), t.dtype), "zero"
+
+    def key(self) -> tuple:
+        return (self.base.dtype, self.base.data_ptr() % 16, tuple(self.shape), tuple(self.strides),
+                tuple(self.block_shape))
+
+    def checked(self):
+        return _descriptor(self.base, self.shape, self.strides[0], self.block_shape)
+
+
+# (kernel, grid, constexprs, device, argument signature) -> the grouped kernels' launch kept for it. Through the JIT
+# (its binding, the descriptors' checks) a grouped matmul took 0.25 ms of host time on an H100's host, four of them
+# a Qwen3-235B training step (benchmarks/moe_host_breakdown.py, RESULTS.md sixty-seventh session).
+_kept_launches = launch_plan.PlanCache()
+
+
+def _launch_kept(kernel, grid: tuple, args: tuple, meta: dict, device: torch.device) -> None:
+    """kernel[grid](*args, **meta) through the launch kept for this call's signature (launch_plan.kept_launch,
+    made on its first call from the checked descriptors); off CUDA (the tests' stand-in kernels) through the JIT
+    each call."""
+    def checked():
+        return tuple(a.checked() if isinstance(a, HostDescriptor) else a for a in args)
+
+    if device.type != "cuda":
+        kernel[grid](*checked(), **meta, **runtime.COMPILE_OPTIONS)
+        return
+    key = (kernel, grid, tuple(meta.items()), torch.cuda.current_device(),
+           *(a.key() if isinstance(a, HostDescriptor) else launch_plan.arg_key(a) for a in args))
+    plan = _kept_launches.get(key)
+    if plan is None:
+        plan = launch_plan.kept_launch(kernel, grid, checked(), meta)
+        _kept_launches.put(key, plan)
+    plan(args if isinstance(plan, launch_plan.DirectLaunch) else checked())
 
 
 def cannot_run_here(a: torch.Tensor) -> Optional[str]:
@@ -168,9 +219,9 @@ def launch_grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, out:
     cfg = GROUPED_CONFIGS[config]
     rows = BM // cfg["NUM_CONSUMERS"]  # a consumer's rows of a tile
     b_trans = grouped_b_trans(b)
-    a_desc = _descriptor(a, [S, K], a.stride(0), [rows, BK])
-    b_desc = _descriptor(b, [E * N, K], K, [BN, BK]) if b_trans else _descriptor(b, [E * K, N], N, [BK, BN])
-    c_desc = _descriptor(out, [S, N], out.stride(0), [rows, BN])
+    a_desc = HostDescriptor(a, [S, K], a.stride(0), [rows, BK])
+    b_desc = HostDescriptor(b, [E * N, K], K, [BN, BK]) if b_trans else HostDescriptor(b, [E * K, N], N, [BK, BN])
+    c_desc = HostDescriptor(out, [S, N], out.stride(0), [rows, BN])
     if S == 0 or E == 0:
         return out
     _launch_grouped(a_desc, b_desc, c_desc, out, out.stride(0), ends, E, N, K, out, b_trans, m_fastest, claim, cfg,
@@ -190,10 +241,10 @@ def _launch_grouped(a_desc, b_desc, c_desc, c, ldc, ends, E, N, K, act, b_trans,
     counter = torch.zeros(1, dtype=torch.int32, device=device) if claim else ends
     src, rows = gather if gather is not None else (c, ends)  # (unused without GATHER)
     gathered = (src.shape[0], rows.shape[0], src.stride(0) // 8) if gather is not None else (0, 0, 0)
-    grouped_ws_kernel[(programs or num_sms(device),)](
-        a_desc, b_desc, c_desc, c, ldc, ends, counter, E, N, K, act, src, rows, *gathered,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest, CLAIM=claim,
-        num_warps=cfg["CONSUMER_WARPS"], **cfg, **runtime.COMPILE_OPTIONS)
+    _launch_kept(grouped_ws_kernel, (programs or num_sms(device),),
+                 (a_desc, b_desc, c_desc, c, ldc, ends, counter, E, N, K, act, src, rows, *gathered),
+                 dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=3, B_TRANS=b_trans, M_FASTEST=m_fastest, CLAIM=claim,
+                      num_warps=cfg["CONSUMER_WARPS"], **cfg), device)
 
 
 def _check_ends(ends: torch.Tensor, E: int, a: torch.Tensor, what: str) -> None:
@@ -254,9 +305,9 @@ def launch_grouped_mm_swiglu(a: torch.Tensor, b: torch.Tensor, ends: torch.Tenso
         cfg.update(GATHER=True, PRODUCER_REGS=GATHER_PRODUCER_REGS)
     tile_rows = BM // cfg["NUM_CONSUMERS"]  # a consumer's rows of a tile
     # (gathered, a_desc only gives the kernel A's dtype and shared layout)
-    a_desc = _descriptor(a, [a.shape[0], K], a.stride(0), [tile_rows, BK])
-    b_desc = _descriptor(b, [E * N, K], K, [BN // 2, BK])  # a gate or an up block: half a stage
-    c_desc = _descriptor(h, [S, N], N, [tile_rows, BN // 2])
+    a_desc = HostDescriptor(a, [a.shape[0], K], a.stride(0), [tile_rows, BK])
+    b_desc = HostDescriptor(b, [E * N, K], K, [BN // 2, BK])  # a gate or an up block: half a stage
+    c_desc = HostDescriptor(h, [S, N], N, [tile_rows, BN // 2])
     _launch_grouped(a_desc, b_desc, c_desc, h, N, ends, E, N, K, act, True, m_fastest, claim, cfg, programs,
                     a.device, None if rows is None else (a, rows))
     return h, act
@@ -389,15 +440,15 @@ def launch_grouped_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor, o
                          f"aligned [{E}, {M}, {N}] {a.dtype}")
     if E == 0 or M == 0 or N == 0:
         return out
-    a_desc = _descriptor(a, [S, M], a.stride(0), [BK, BM])
-    b_desc = _descriptor(b, [S, N], b.stride(0), [BK, BN])
-    c_desc = _descriptor(out.view(E * M, N), [E * M, N], N, [BM, BN])
+    a_desc = HostDescriptor(a, [S, M], a.stride(0), [BK, BM])
+    b_desc = HostDescriptor(b, [S, N], b.stride(0), [BK, BN])
+    c_desc = HostDescriptor(out.view(E * M, N), [E * M, N], N, [BM, BN])
     tiles = E * (M // BM) * -(-N // BN)
     tail_by_tma = (tail or wgrad_tail(config, S, E)) == "tma"
     if tail_by_tma:
         runtime.ensure_allocator()
-    grouped_wgrad_kernel[(min(tiles, programs or num_sms(a.device)),)](
-        a_desc, b_desc, c_desc, ends.contiguous(), E, M, N, a, b, a.stride(0), b.stride(0), BLOCK_M=BM, BLOCK_N=BN,
-        BLOCK_K=BK, STAGES=stages, PRODUCER_REGS=40, CONSUMER_WARPS=warps, NUM_CONSUMERS=consumers,
-        CONSUMER_REGS=232, TAIL_BY_TMA=tail_by_tma, num_warps=warps, **runtime.COMPILE_OPTIONS)
+    _launch_kept(grouped_wgrad_kernel, (min(tiles, programs or num_sms(a.device)),),
+                 (a_desc, b_desc, c_desc, ends.contiguous(), E, M, N, a, b, a.stride(0), b.stride(0)),
+                 dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, STAGES=stages, PRODUCER_REGS=40, CONSUMER_WARPS=warps,
+                      NUM_CONSUMERS=consumers, CONSUMER_REGS=232, TAIL_BY_TMA=tail_by_tma, num_warps=warps), a.device)
     return out

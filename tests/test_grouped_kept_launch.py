@@ -26,7 +26,7 @@ def kept(monkeypatch):
 
     monkeypatch.setattr(launch_plan, "kept_launch", build)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(gemm_ws_host, "_kept_launches", launch_plan.PlanCache())
+    monkeypatch.setattr(launch_plan, "_launches", launch_plan.PlanCache())
     return gemm_ws_host, seen
 
 

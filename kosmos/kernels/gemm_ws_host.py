@@ -48,7 +48,7 @@ def _descriptor(t: torch.Tensor, shape, lead: int, block):
     return TensorDescriptor(t, shape, [lead, 1], block, _shared_layout(tuple(block), t.dtype))
 
 
-class HostDescriptor:
+class HostDescriptor(launch_plan.UncheckedArg):
     """_descriptor's fields without its checks: what the grouped launches build each call. A signature's first call
     launches through the JIT with the checked TensorDescriptor (`checked`); the direct launch kept for it then takes
     these as they are (Triton's launcher reads base, shape, strides and padding), their `key` holding everything
@@ -67,29 +67,16 @@ class HostDescriptor:
         return _descriptor(self.base, self.shape, self.strides[0], self.block_shape)
 
 
-# (kernel, grid, constexprs, device, argument signature) -> the grouped kernels' launch kept for it. Through the JIT
-# (its binding, the descriptors' checks) a grouped matmul took 0.25 ms of host time on an H100's host, four of them
-# a Qwen3-235B training step (benchmarks/moe_host_breakdown.py, RESULTS.md sixty-seventh session).
-_kept_launches = launch_plan.PlanCache()
-
-
 def _launch_kept(kernel, grid: tuple, args: tuple, meta: dict, device: torch.device) -> None:
-    """kernel[grid](*args, **meta) through the launch kept for this call's signature (launch_plan.kept_launch,
-    made on its first call from the checked descriptors); off CUDA (the tests' stand-in kernels) through the JIT
-    each call."""
-    def checked():
-        return tuple(a.checked() if isinstance(a, HostDescriptor) else a for a in args)
-
+    """kernel[grid](*args, **meta) through launch_plan.launch (the launch kept for this call's signature, built on
+    its first call from the checked descriptors); off CUDA (the tests' stand-in kernels) through the JIT each call.
+    Through the JIT each call (its binding, the descriptors' checks), a grouped matmul took 0.25 ms of host time on
+    an H100's host, four of them a Qwen3-235B training step (benchmarks/moe_host_breakdown.py, RESULTS.md
+    sixty-seventh session)."""
     if device.type != "cuda":
-        kernel[grid](*checked(), **meta, **runtime.COMPILE_OPTIONS)
+        kernel[grid](*launch_plan.checked_args(args), **meta, **runtime.COMPILE_OPTIONS)
         return
-    key = (kernel, grid, tuple(meta.items()), torch.cuda.current_device(),
-           *(a.key() if isinstance(a, HostDescriptor) else launch_plan.arg_key(a) for a in args))
-    plan = _kept_launches.get(key)
-    if plan is None:
-        plan = launch_plan.kept_launch(kernel, grid, checked(), meta)
-        _kept_launches.put(key, plan)
-    plan(args if isinstance(plan, launch_plan.DirectLaunch) else checked())
+    launch_plan.launch(kernel, grid, args, **meta)
 
 
 def cannot_run_here(a: torch.Tensor) -> Optional[str]:

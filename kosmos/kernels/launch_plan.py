@@ -116,28 +116,48 @@ def kept_launch(kernel, grid: tuple, args: tuple, meta: dict):
 _launches = PlanCache()
 
 
+class UncheckedArg:
+    """An argument whose checks run once per signature (gemm_ws_host.HostDescriptor): `key()` holds what Triton
+    specializes on and what the checks read, `checked()` is the checked object Triton's JIT binds. A kept direct
+    launch takes the unchecked one as it is."""
+    __slots__ = ()
+
+    def key(self) -> tuple:
+        raise NotImplementedError
+
+    def checked(self) -> Any:
+        raise NotImplementedError
+
+
 def arg_key(a: Any) -> tuple:
-    """What Triton specializes a build on of argument a: a tensor's dtype and address modulo 16, a scalar's type
-    and value (finer than Triton's own int32 / 16-divisible / 1 classes: a new value makes a new key, not another
-    build)."""
+    """What Triton specializes a build on of argument a: a tensor's dtype and address modulo 16, an UncheckedArg's
+    key, a scalar's type and value (finer than Triton's own int32 / 16-divisible / 1 classes: a new value makes a
+    new key, not another build)."""
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16
+    if isinstance(a, UncheckedArg):
+        return a.key()
     return type(a), a
+
+
+def checked_args(args: tuple) -> tuple:
+    """args with each UncheckedArg checked: what Triton's JIT binds."""
+    return tuple(a.checked() if isinstance(a, UncheckedArg) else a for a in args)
 
 
 def launch(kernel, grid: tuple, args: tuple, **meta) -> None:
     """kernel[grid](*args, **meta) through the launch kept for this call's signature (kept_launch, made on its first
     call): for launches whose host work is Triton's JIT alone, whose checks and constexprs the caller makes. The key
     holds the grid, the constexprs, the current device and arg_key of every argument: what the JIT binds a build
-    by."""
+    by. The build, and a launch through the JIT, take the UncheckedArgs checked."""
     interpreting = runtime.interpreting()
     device = None if interpreting else torch.cuda.current_device()
     key = (kernel, grid, tuple(meta.items()), device, *map(arg_key, args))
     plan = _launches.get(key)
     if plan is None:
-        plan = kept_launch(kernel, grid, args, meta)
+        plan = kept_launch(kernel, grid, checked_args(args), meta)
         _launches.put(key, plan)
-    plan(args)
+    plan(args if isinstance(plan, DirectLaunch) else checked_args(args))
 
 
 def carved(dtype: torch.dtype, device, *numels: int) -> list:

@@ -372,13 +372,15 @@ def test_gpu_grouped_vs_loop_bf16(monkeypatch):
 def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch, mode, config):
     """KOSMOS_GROUPED_MM=kosmos / kosmos_m / kosmos_mc (and KOSMOS_GROUPED_CONFIG): the ragged-M grouped matmuls
     (forward up with its SwiGLU epilogue / down, backward d_act / d_x) run on kosmos's grouped GEMM, the weight
-    gradients (below WIDE_EXPERT here) stay torch._grouped_mm's, the report says so, and the results are those of
-    torch._grouped_mm everywhere."""
+    gradients run on kosmos's ragged-K kernel (the default at every size), the report says so, and the results are
+    those of torch._grouped_mm everywhere."""
     import kosmos
 
     case = _qwen3_30b_case()
     monkeypatch.setenv("KOSMOS_GROUPED_MM", "torch")
+    monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "torch")
     want, _ = run(*case)
+    monkeypatch.delenv("KOSMOS_GROUPED_WGRAD")
     monkeypatch.setenv("KOSMOS_GROUPED_MM", mode)
     monkeypatch.setenv("KOSMOS_GROUPED_CONFIG", config)
     calls = []
@@ -387,8 +389,10 @@ def test_gpu_kosmos_grouped_mm_in_the_reference(monkeypatch, mode, config):
     kosmos.reset_report()
     got, _ = run(*case)
     torch.cuda.synchronize()
-    assert len(calls) == 2  # the two weight gradients (ragged K)
+    assert not calls
     runs = kosmos.report().runtime
+    wgrads = {key[1]: n for key, n in runs.items() if key[0] == "grouped_wgrad"}
+    assert sum(wgrads.values()) == 2 and all(impl.startswith("kosmos grouped_wgrad_ws") for impl in wgrads), runs
     impl = {"kosmos": "kosmos grouped_ws", "kosmos_m": "kosmos grouped_ws m-fastest",
             "kosmos_mc": "kosmos grouped_ws m-fastest claimed"}[mode] + " " + config
     # the forward's up projection and its SwiGLU in one launch (I = 768, a multiple of 128)
@@ -799,13 +803,14 @@ def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch, choices_not_k
 
 def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch, choices_not_kept):
     """The weight gradients' kernel choice: KOSMOS_GROUPED_WGRAD=torch, operands the kernel cannot take (here: no
-    sm_90 GPU, or fp32) and, on auto, gradients below WIDE_EXPERT all run torch._grouped_mm with the reason
-    recorded; kosmos's kernel runs the two-consumer config up to PINGPONG_MAX_ROWS rows per expert, the wide one
+    sm_90 GPU, or fp32) and, on auto, gradients below WGRAD_MIN_ELEMENTS (none by default) all run torch._grouped_mm
+    with the reason recorded; kosmos's kernel runs the two-consumer config up to PINGPONG_MAX_ROWS rows per expert, the wide one
     above, and the report names it, with TMA's zeros for a group's last K block (one consumer, up to
     TAIL_TMA_MAX_ROWS rows per expert, or as KOSMOS_WGRAD_TAIL says); an unknown mode is an error."""
     import kosmos
     from kosmos.kernels import gemm_ws_host
-    from kosmos.kernels.moe_ops import WIDE_EXPERT, grouped_rows_wgrad
+    from kosmos.kernels import moe_ops
+    from kosmos.kernels.moe_ops import grouped_rows_wgrad
 
     a = torch.randn(10, 128, dtype=torch.bfloat16)
     b = torch.randn(10, 32, dtype=torch.bfloat16)
@@ -828,14 +833,22 @@ def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch, choices_no
     kosmos.reset_report()
     monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "auto")
     monkeypatch.setattr(gemm_ws_host, "grouped_wgrad_unsupported", lambda a, b: None)
-    assert a.shape[1] * b.shape[1] < WIDE_EXPERT
+    assert moe_ops.WGRAD_MIN_ELEMENTS == 0  # the default: kosmos's kernel at every size
+    monkeypatch.setattr(moe_ops, "WGRAD_MIN_ELEMENTS", 128 * 32 + 1)
     assert grouped_rows_wgrad(a, b, ends) is None
     (key,) = reasons()
     assert key[1] == "torch._grouped_mm" and "128 x 32 gradient per expert" in key[2], key
+    monkeypatch.setattr(moe_ops, "WGRAD_MIN_ELEMENTS", 0)
     kosmos.reset_report()
-    monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "kosmos")
     configs = []
     monkeypatch.setattr(gemm_ws_host, "launch_grouped_wgrad", lambda a, b, ends, config, tail: configs.append(config))
+    for mode in ("auto", "kosmos"):
+        monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", mode)
+        grouped_rows_wgrad(a, b, ends)
+    assert configs == ["128x128pp", "128x128pp"] and reasons() == [
+        ("grouped_wgrad", "kosmos grouped_wgrad_ws 128x128pp", "supported")], reasons()
+    kosmos.reset_report()
+    configs.clear()
     grouped_rows_wgrad(a, b, ends)
     many = torch.zeros(gemm_ws_host.PINGPONG_MAX_ROWS * 2 + 1, 128, dtype=torch.bfloat16)
     grouped_rows_wgrad(many, many[:, :32], ends)

@@ -427,8 +427,8 @@ def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, 
                         routed_scaling_factor, router_dtype, activation)
 
 
-# Per-expert matrices of at least this many elements take kosmos's grouped kernels by default: an expert's weight
-# in the ragged-M grouped matmuls (with m-fastest tiles), its weight gradient in the ragged-K ones. Measured on the
+# Per-expert weights of at least this many elements take kosmos's ragged-M grouped matmuls by default (with m-fastest
+# tiles; the weight gradients: WGRAD_MIN_ELEMENTS). Measured on the
 # H200 (RESULTS.md, thirtieth and thirty-first sessions): DeepSeek-V3's layer (4096 x 7168 and 7168 x 2048 per
 # expert) is faster fwd+bwd at T = 4096 and no slower at 16384; on Qwen3-235B's (at most 3072 x 4096) torch's
 # CUTLASS kernels are as fast or faster in the static tile order.
@@ -437,6 +437,11 @@ WIDE_EXPERT = 14_000_000
 # (6.3M and 12.6M elements) ran its layer's fwd+bwd 2.7-7% faster at T = 4096 to 16384 (RESULTS.md, thirty-seventh
 # session); Qwen3-30B-A3B's (at most 3.1M) are faster on torch's kernel.
 CLAIMED_EXPERT = 6_000_000
+# The weight gradients (ragged K) take kosmos's kernel on auto from this many elements per expert: every size. In the
+# layer, kosmos's kernel ran the Qwen3 cells' fwd+bwd 1-4% faster than torch's CUTLASS one at T = 4096 to 16384 on
+# an H100 (RESULTS.md, sixty-eighth session; earlier H200 A/Bs: Qwen3-235B 1.3% faster at 4096, tied at 16384), the
+# same bits either way. DeepSeek-V3's (14.7M and 29.4M elements) took it before.
+WGRAD_MIN_ELEMENTS = 0
 
 
 def _kosmos_mode(env: str, modes: tuple[str, ...], unsupported, shape: tuple[int, int], what: str, every_size: str,
@@ -585,15 +590,16 @@ def grouped_rows_mm_swiglu_gathered(src: torch.Tensor, rows: torch.Tensor, b: to
 def grouped_rows_wgrad(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> Optional[torch.Tensor]:
     """The reference's weight gradients (ragged-K grouped matmul [E, M, N], out[e] = a_e^T @ b_e, zeros for an
     expert without rows) by kosmos's kernel (gemm_ws_host.grouped_wgrad) when it takes the operands and pays off,
-    else None (the caller runs torch._grouped_mm). KOSMOS_GROUPED_WGRAD: auto (default: gradients of WIDE_EXPERT
-    elements or more), kosmos (whenever it takes them), torch (never). The report records which ran and why."""
+    else None (the caller runs torch._grouped_mm). KOSMOS_GROUPED_WGRAD: auto (default: gradients of
+    WGRAD_MIN_ELEMENTS elements or more, so every size), kosmos (whenever it takes them), torch (never). The report
+    records which ran and why."""
     from kosmos.kernels import gemm_ws_host
 
     key = ("grouped_wgrad", launch_plan.tensor_key(a), launch_plan.tensor_key(b), ends.numel(),
            os.environ.get("KOSMOS_GROUPED_WGRAD"))
     mode, reason = _kept_choice(key, lambda: _kosmos_mode(
         "KOSMOS_GROUPED_WGRAD", ("auto", "kosmos", "torch"), lambda: gemm_ws_host.grouped_wgrad_unsupported(a, b),
-        (a.shape[1], b.shape[1]), "gradient", "kosmos"))
+        (a.shape[1], b.shape[1]), "gradient", "kosmos", WGRAD_MIN_ELEMENTS))
     if mode is None:
         record_run("grouped_wgrad", "torch._grouped_mm", reason)
         return None

@@ -343,6 +343,7 @@ def _qwen3_30b_case(seed=0):
                     reason="torch._grouped_mm's bf16 kernel needs sm90/sm100")
 def test_gpu_grouped_vs_loop_bf16(monkeypatch):
     monkeypatch.delenv("KOSMOS_GROUPED_MM", raising=False)  # auto: below CLAIMED_EXPERT, torch._grouped_mm everywhere
+    monkeypatch.setenv("KOSMOS_GROUPED_WGRAD", "torch")  # the weight gradients too (kosmos's by default)
     case = _qwen3_30b_case()
     calls = []
     real = torch._grouped_mm

@@ -805,8 +805,8 @@ def test_grouped_rows_mm_reports_which_kernel_and_why(monkeypatch, choices_not_k
 def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch, choices_not_kept):
     """The weight gradients' kernel choice: KOSMOS_GROUPED_WGRAD=torch, operands the kernel cannot take (here: no
     sm_90 GPU, or fp32) and, on auto, gradients below WGRAD_MIN_ELEMENTS (none by default) all run torch._grouped_mm
-    with the reason recorded; kosmos's kernel runs the two-consumer config up to PINGPONG_MAX_ROWS rows per expert, the wide one
-    above, and the report names it, with TMA's zeros for a group's last K block (one consumer, up to
+    with the reason recorded; kosmos's kernel runs the two-consumer config up to PINGPONG_MAX_ROWS rows per expert,
+    the wide one above, and the report names it, with TMA's zeros for a group's last K block (one consumer, up to
     TAIL_TMA_MAX_ROWS rows per expert, or as KOSMOS_WGRAD_TAIL says); an unknown mode is an error."""
     import kosmos
     from kosmos.kernels import gemm_ws_host

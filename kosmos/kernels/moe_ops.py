@@ -427,11 +427,11 @@ def run_moe_layer_backward(grad_out, grad_router_logits, hidden, router_weight, 
                         routed_scaling_factor, router_dtype, activation)
 
 
-# Per-expert weights of at least this many elements take kosmos's ragged-M grouped matmuls by default (with m-fastest
-# tiles; the weight gradients: WGRAD_MIN_ELEMENTS). Measured on the
-# H200 (RESULTS.md, thirtieth and thirty-first sessions): DeepSeek-V3's layer (4096 x 7168 and 7168 x 2048 per
-# expert) is faster fwd+bwd at T = 4096 and no slower at 16384; on Qwen3-235B's (at most 3072 x 4096) torch's
-# CUTLASS kernels are as fast or faster in the static tile order.
+# Per-expert weights of at least this many elements take kosmos's ragged-M grouped matmuls by default, with m-fastest
+# tiles (the weight gradients: WGRAD_MIN_ELEMENTS). Measured on the H200 (RESULTS.md, thirtieth and thirty-first
+# sessions): DeepSeek-V3's layer (4096 x 7168 and 7168 x 2048 per expert) is faster fwd+bwd at T = 4096 and no slower
+# at 16384; on Qwen3-235B's (at most 3072 x 4096) torch's CUTLASS kernels are as fast or faster in the static tile
+# order.
 WIDE_EXPERT = 14_000_000
 # With claimed tiles (gemm_ws_host.grouped_claim) the ragged-M ones take kosmos's kernel from this size: Qwen3-235B's
 # (6.3M and 12.6M elements) ran its layer's fwd+bwd 2.7-7% faster at T = 4096 to 16384 (RESULTS.md, thirty-seventh

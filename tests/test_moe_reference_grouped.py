@@ -809,8 +809,7 @@ def test_grouped_rows_wgrad_reports_which_kernel_and_why(monkeypatch, choices_no
     the wide one above, and the report names it, with TMA's zeros for a group's last K block (one consumer, up to
     TAIL_TMA_MAX_ROWS rows per expert, or as KOSMOS_WGRAD_TAIL says); an unknown mode is an error."""
     import kosmos
-    from kosmos.kernels import gemm_ws_host
-    from kosmos.kernels import moe_ops
+    from kosmos.kernels import gemm_ws_host, moe_ops
     from kosmos.kernels.moe_ops import grouped_rows_wgrad
 
     a = torch.randn(10, 128, dtype=torch.bfloat16)

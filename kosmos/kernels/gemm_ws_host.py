@@ -74,7 +74,7 @@ def _launch_kept(kernel, grid: tuple, args: tuple, meta: dict, device: torch.dev
     an H100's host, four of them a Qwen3-235B training step (benchmarks/moe_host_breakdown.py, RESULTS.md
     sixty-seventh session)."""
     if device.type != "cuda":
-        kernel[grid](*launch_plan.checked_args(args), **meta, **runtime.COMPILE_OPTIONS)
+        launch_plan.JitLaunch(kernel, grid, meta)(launch_plan.checked_args(args))
         return
     launch_plan.launch(kernel, grid, args, **meta)
 

@@ -1,5 +1,6 @@
 """Tile configs of the fused MoE forward (kosmos.kernels.moe.moe_forward) on one layer's dims: each config's
-median time (measure.bench_calls: 10+ calls, L2 flushed), its output checked bit-identical to the default config's or within
+median time (measure.bench_calls: 10+ calls, L2 flushed), its output checked \
+bit-identical to the default config's or within
 bf16 tolerance (a different BK changes the sum order), and the router + routing timed alone as a floor.
 
     PYTHONPATH=. python3 benchmarks/moe_configs.py --layer qwen3_235b --T 16384 --configs default,bi128,bi128_s4
@@ -72,7 +73,8 @@ def main() -> None:
             ref = out
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         same = torch.equal(out, ref)
-        print(f"{name:>14}: {ms:8.3f} ms  {flops / ms / 1e9:6.0f} TF/s  vs first: {'bit-identical' if same else f'rel err {err:.1e}'}")
+        print(f"{name:>14}: {ms:8.3f} ms  {flops / ms / 1e9:6.0f} TF/s  "
+              f"vs first: {'bit-identical' if same else f'rel err {err:.1e}'}")
 
 
 if __name__ == "__main__":

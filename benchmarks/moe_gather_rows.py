@@ -15,7 +15,8 @@ import kosmos.kernels.fused_ops  # noqa: F401  (registers the row kernels)
 from kosmos.ops import dispatch, moe_math
 
 CASES = [("qwen3_235b", 16384, 4096, 128), ("deepseek_v3", 16384, 7168, 256), ("qwen3_30b", 4096, 2048, 128)]
-FOLD_TILES = [(8, 256, 4), (16, 256, 4), (32, 256, 4), (4, 256, 4), (8, 128, 4), (16, 128, 4), (8, 512, 4), (8, 1024, 8)]
+FOLD_TILES = [(8, 256, 4), (16, 256, 4), (32, 256, 4), (4, 256, 4), (8, 128, 4), (16, 128, 4), (8, 512, 4),
+              (8, 1024, 8)]
 
 
 def gather(name, T, H, rows) -> None:

@@ -30,7 +30,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--tag", default="", help="a label for the printed lines")
     p.add_argument("--save-up", action="store_true", help="the training forward: with the saved up rows")
-    p.add_argument("--check", action="store_true", help="also compare each variant's outputs with the first's, bit for bit")
+    p.add_argument("--check", action="store_true",
+                   help="also compare each variant's outputs with the first's, bit for bit")
     args = p.parse_args()
     (hidden, rw, rb, corr, gu, down, k), kw = layer_inputs(args.layer, args.T)
     base = moe.forward_configs(hidden, gu, k)[0]

@@ -160,7 +160,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["queue", "dist"], default="queue")
     p.add_argument("--out", default=None, help="JSON with every number")
-    p.add_argument("--rounds", type=int, default=3, help="timing rounds per shape, every method once per round (median)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timing rounds per shape, every method once per round (median)")
     p.add_argument("--heat", type=float, default=2.0, help="s of GEMMs before a shape's first timing")
     dist_args = p.add_argument_group("dist mode (benchmarks/tp_sp_dist.py)")
     dist_args.add_argument("--shapes", choices=["small", "full"], default="small",

@@ -1,4 +1,5 @@
-"""The `kosmos` torch.compile backend: pre-grad passes on the Dynamo graph, then Inductor with kosmos post-grad passes."""
+"""The `kosmos` torch.compile backend: pre-grad passes on the Dynamo graph, \
+then Inductor with kosmos post-grad passes."""
 from __future__ import annotations
 
 import dataclasses
@@ -84,7 +85,8 @@ def kosmos_backend(gm: torch.fx.GraphModule, example_inputs, options: Optional[d
     from kosmos.passes import pre_grad
 
     pre_grad.run(gm, example_inputs, opts)
-    user_pass = opts.inductor_config.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
+    user_pass = opts.inductor_config.get("post_grad_custom_post_pass",
+                                         torch._inductor.config.post_grad_custom_post_pass)
     patches = dict(opts.inductor_config)
     patches["post_grad_custom_post_pass"] = KosmosPostGradPass(opts, user_pass)
     patches["_micro_pipeline_tp"] = False

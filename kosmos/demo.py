@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     # the unsharded eager run, here, before the ranks start
     ref_device = "cuda:0" if args.device == "cuda" else "cpu"
     t = time.perf_counter()
-    ref_losses, _ = train(build_model(args.world_size, args.seed, ref_device), copy_task_batches(args.seed), args.steps, ref_device)
+    ref_losses, _ = train(build_model(args.world_size, args.seed, ref_device), copy_task_batches(args.seed),
+                          args.steps, ref_device)
     print(f"unsharded eager run: {time.perf_counter() - t:.1f} s", flush=True)
 
     import torch.multiprocessing as mp

@@ -218,7 +218,8 @@ class _ColwiseInRegion(ParallelStyle):
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if type(module) is not nn.Linear:
-            raise TypeError(f"kosmos.parallelize: column-parallel layer must be an nn.Linear, got {type(module).__name__}")
+            raise TypeError(f"kosmos.parallelize: column-parallel layer must be an nn.Linear, "
+                            f"got {type(module).__name__}")
         for name, p in list(module.named_parameters(recurse=False)):
             module.register_parameter(
                 name, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]), requires_grad=p.requires_grad)
@@ -445,7 +446,8 @@ def _build_plan(family: str, model: nn.Module, layout, grad_allreduce: list,
     def replicated(fqn: str) -> ParallelStyle:
         return _ReplicatedGradAllReduce(grad_allreduce, fqn)
 
-    plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=layout, use_local_output=False)
+    plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=layout,
+                                                 use_local_output=False)
     for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}"
         plan[f"{p}.input_layernorm"] = _ResidualNorm(layout)
@@ -505,7 +507,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sequence_parallel: bool =
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"kosmos.parallelize: mesh must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim != 1:
-        raise ValueError(f"kosmos.parallelize: mesh must be 1-D (the TP group), got a {mesh.ndim}-D mesh; pass mesh['tp']")
+        raise ValueError(f"kosmos.parallelize: mesh must be 1-D (the TP group), got a {mesh.ndim}-D mesh; "
+                         "pass mesh['tp']")
     if getattr(model, "_kosmos_tp", None) is not None:
         raise ValueError("kosmos.parallelize: this model is already parallelized")
     if any(isinstance(p, DTensor) for p in model.parameters()):

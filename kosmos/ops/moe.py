@@ -164,7 +164,8 @@ def _check_experts_args(op: str, hidden, gate_up_proj, down_proj, activation, ep
     if activation not in ACTIVATIONS:
         raise ValueError(f"kosmos::{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
     if ep_group_name is None and ep_world_size != 1:
-        raise ValueError(f"kosmos::{op}: ep_world_size={ep_world_size} needs an ep_group_name (None: all experts local)")
+        raise ValueError(f"kosmos::{op}: ep_world_size={ep_world_size} needs an ep_group_name "
+                         "(None: all experts local)")
     if ep_world_size < 1:
         raise ValueError(f"kosmos::{op}: ep_world_size={ep_world_size} must be >= 1")
 
@@ -205,9 +206,11 @@ def _check_router_args(hidden, router_weight, router_bias, score_correction_bias
 
 def _check_routing(hidden, topk_ids, topk_weights, gate_up_proj) -> None:
     if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0] or topk_ids.dtype.is_floating_point:
-        raise ValueError(f"kosmos::moe_experts: topk_ids must be integer [T={hidden.shape[0]}, k], got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+        raise ValueError(f"kosmos::moe_experts: topk_ids must be integer [T={hidden.shape[0]}, k], "
+                         f"got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"kosmos::moe_experts: topk_weights {tuple(topk_weights.shape)} != topk_ids {tuple(topk_ids.shape)}")
+        raise ValueError(f"kosmos::moe_experts: topk_weights {tuple(topk_weights.shape)} "
+                         f"!= topk_ids {tuple(topk_ids.shape)}")
 
 
 

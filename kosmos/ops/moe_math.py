@@ -36,7 +36,8 @@ def _route_forward(hidden, router_weight, router_bias, score_correction_bias, to
     hidden, router_weight, logits = _router_linear(hidden, router_weight, router_bias, router_dtype, logits)
     eps = _SIGMOID_NORM_EPS if scoring == "sigmoid" else 0.0
     kernel = dispatch.row_kernel("moe_route_weights", logits.device) if ids is not None and kernels else None
-    weights = kernel(logits, ids, scoring, norm_topk_prob, routed_scaling_factor, eps, weights_dtype) if kernel else None
+    weights = (kernel(logits, ids, scoring, norm_topk_prob, routed_scaling_factor, eps, weights_dtype)
+               if kernel else None)
     if weights is not None:
         kept = dict(norm_topk_prob=norm_topk_prob, eps=eps, top_k=top_k)
         return logits, ids, weights, dict(hidden=hidden, router_weight=router_weight, scores=None, kept=kept, **exact)

@@ -54,7 +54,8 @@ def _check_ag_args(a, weights, biases, gather_dim, world_size):
     if len(biases) != len(weights):
         raise ValueError(f"kosmos::ag_gemm: {len(biases)} biases for {len(weights)} weights")
     if not 0 <= gather_dim < a.dim() - 1:
-        raise ValueError(f"kosmos::ag_gemm: gather_dim {gather_dim} must index a non-contracted dim of {tuple(a.shape)}")
+        raise ValueError(f"kosmos::ag_gemm: gather_dim {gather_dim} must index a non-contracted dim of "
+                         f"{tuple(a.shape)}")
     if world_size < 1:
         raise ValueError(f"kosmos::ag_gemm: world_size {world_size} < 1")
     _check_matmul_operands("ag_gemm", a, weights, biases)
@@ -120,7 +121,8 @@ def _ag_gemm_fake(a, weights, biases, gather_dim, world_size, group_name, return
 
 def _check_rs_args(inputs, weights, bias, scatter_dim, reduce_op, world_size):
     if len(inputs) == 0 or len(inputs) != len(weights):
-        raise ValueError(f"kosmos::gemm_rs: needs as many inputs as weights (>= 1), got {len(inputs)} and {len(weights)}")
+        raise ValueError(f"kosmos::gemm_rs: needs as many inputs as weights (>= 1), "
+                         f"got {len(inputs)} and {len(weights)}")
     if reduce_op not in ("sum", "avg"):
         raise ValueError(f"kosmos::gemm_rs: reduce_op must be 'sum' or 'avg', got {reduce_op!r}")
     lead = inputs[0].shape[:-1]
@@ -137,7 +139,8 @@ def _check_rs_args(inputs, weights, bias, scatter_dim, reduce_op, world_size):
         raise ValueError(f"kosmos::gemm_rs: scatter_dim {scatter_dim} must index a non-contracted dim")
     if lead[scatter_dim] % world_size != 0:
         raise ValueError(
-            f"kosmos::gemm_rs: dim {scatter_dim} of size {lead[scatter_dim]} is not divisible by world size {world_size}"
+            f"kosmos::gemm_rs: dim {scatter_dim} of size {lead[scatter_dim]} is not divisible by "
+            f"world size {world_size}"
         )
 
 

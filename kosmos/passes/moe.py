@@ -63,7 +63,8 @@ def op_name(node: Any) -> Optional[str]:
         return None
     t = node.target
     if isinstance(t, (torch._ops.OpOverloadPacket, torch._ops.OpOverload)):
-        return t._qualified_op_name.split("::")[-1] if hasattr(t, "_qualified_op_name") else t.name().split("::")[-1].split(".")[0]
+        return (t._qualified_op_name.split("::")[-1] if hasattr(t, "_qualified_op_name")
+                else t.name().split("::")[-1].split(".")[0])
     return getattr(t, "__name__", str(t))
 
 
@@ -419,7 +420,8 @@ def _replicated_ep_group(rep: _ReplicatedEp, topk_ids: fx.Node, num_local: int) 
     """(number of experts, (group, world size)) of an AllReduceEP block, checked against the process group."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    scores = topk_ids.args[0].args[0] if op_name(topk_ids) == "getitem" and op_name(topk_ids.args[0]) == "topk" else None
+    scores = (topk_ids.args[0].args[0] if op_name(topk_ids) == "getitem" and op_name(topk_ids.args[0]) == "topk"
+              else None)
     num_experts = (_shape(scores) or (None,))[-1]
     if not isinstance(num_experts, int) or num_experts % num_local or rep.group is None:
         raise _NoMatch(f"expert-parallel ids {topk_ids.name}: cannot tell the experts ({num_experts}) or group")
@@ -472,7 +474,8 @@ def _match_experts(walk: _Walk, down_gemm: fx.Node, up_gemm: fx.Node) -> _Expert
     """Walks HF's grouped_mm experts forward around the down-projection grouped GEMM."""
     for g in (up_gemm, down_gemm):
         walk.call(g, _GROUPED_MM, "grouped GEMM")
-        if op_name(g) != "grouped_mm_fallback" and (g.kwargs.get("bias") is not None or g.kwargs.get("out_dtype") is not None):
+        if op_name(g) != "grouped_mm_fallback" and (g.kwargs.get("bias") is not None
+                                                     or g.kwargs.get("out_dtype") is not None):
             raise _NoMatch(f"{g.name}: grouped GEMM with bias or out_dtype")
     offs = _arg(down_gemm, 2, "offs")
     # offsets = cumsum(histc(sorted_ids.float()|.int(), bins=E, min=0, max=E-1), dim=0, dtype=int32)
@@ -535,7 +538,8 @@ def _match_experts(walk: _Walk, down_gemm: fx.Node, up_gemm: fx.Node) -> _Expert
     a, b = act.args
     silu, up = (a, b) if op_name(a) != "getitem" else (b, a)
     if op_name(silu) != "silu":
-        raise _NoMatch(f"experts activation: expected silu(gate) * up, found {_describe(silu)} (unsupported activation)")
+        raise _NoMatch(f"experts activation: expected silu(gate) * up, found {_describe(silu)} "
+                       "(unsupported activation)")
     walk.call(silu, ("silu",), "SwiGLU activation")
     chunk = walk.getitem(silu.args[0], 0, "gate half")
     if walk.getitem(up, 1, "up half") is not chunk:
@@ -657,7 +661,8 @@ def _match_softmax_router(walk: _Walk, ex: _Experts):
     weights, weights_dtype = ex.topk_weights, None
     if op_name(weights) in _CASTS:
         if _dtype(weights) != _dtype(logits):
-            raise _NoMatch(f"{weights.name}: routing weights cast to {_dtype(weights)}, not the logits' {_dtype(logits)}")
+            raise _NoMatch(f"{weights.name}: routing weights cast to {_dtype(weights)}, "
+                           f"not the logits' {_dtype(logits)}")
         weights = walk.strip(weights, _CASTS)
     elif _dtype(weights) != _dtype(logits):
         if _dtype(weights) != torch.float32:
@@ -715,7 +720,8 @@ def _match_grouped_router(walk: _Walk, ex: _Experts):
         if group_mask.args[0] is not group_scores:
             raise _NoMatch(f"{group_mask.name}: expected zeros_like(group scores)")
         _dim_last(group_scores, 1, 3, "group scores")
-        best2 = walk.call(walk.getitem(group_scores.args[0], 0, "best 2 of each group"), ("topk",), "best 2 of each group")
+        best2 = walk.call(walk.getitem(group_scores.args[0], 0, "best 2 of each group"), ("topk",),
+                          "best 2 of each group")
         _const(_arg(best2, 1, "k"), 2, "best of each group")
         _dim_last(best2, 2, 3, "best 2 of each group")
         grouped = walk.call(best2.args[0], ("view", "reshape"), "experts by group")
@@ -748,7 +754,8 @@ def _match_grouped_router(walk: _Walk, ex: _Experts):
     weights, norm = ex.topk_weights, False
     if op_name(weights) in _CASTS:
         if _dtype(weights) != _dtype(logits):
-            raise _NoMatch(f"{weights.name}: routing weights cast to {_dtype(weights)}, not the logits' {_dtype(logits)}")
+            raise _NoMatch(f"{weights.name}: routing weights cast to {_dtype(weights)}, "
+                           f"not the logits' {_dtype(logits)}")
         weights = walk.strip(weights, _CASTS)
     if _dtype(weights) != _dtype(logits):
         raise _NoMatch(f"{weights.name}: routing weights in {_dtype(weights)}, not the logits' {_dtype(logits)}")
@@ -767,7 +774,8 @@ def _match_grouped_router(walk: _Walk, ex: _Experts):
         _dim_last(denom, 1, 2, "router renormalisation sum")
         weights, norm = values, True
     walk.call(weights, ("gather",), "routing weights")
-    if weights.args[0] is not scores or _arg(weights, 1, "dim") not in (1, -1) or _arg(weights, 2, "index") is not ex.topk_ids:
+    if (weights.args[0] is not scores or _arg(weights, 1, "dim") not in (1, -1)
+            or _arg(weights, 2, "index") is not ex.topk_ids):
         raise _NoMatch(f"{weights.name}: expected scores.gather(1, top-k ids)")
     if scoring == "softmax" and bias is None and n_group == 1:
         raise _NoMatch(f"{topk.name}: unsorted softmax top-k with gather (not a supported router form)")

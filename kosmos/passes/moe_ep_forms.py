@@ -40,7 +40,8 @@ _GROUPED_MM = ("_grouped_mm", "grouped_mm", "grouped_mm_fallback")
 _STOP = ("linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "einsum")
 _COLLECTIVES = ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather",
                 "reduce_scatter", "all_to_all")
-_SUFFIX = "; the MoE pass rewrites such a block only where it traces whole into one graph (README: expert-parallel forms)"
+_SUFFIX = ("; the MoE pass rewrites such a block only where it traces whole into one graph "
+           "(README: expert-parallel forms)")
 _MAX_WALK = 400  # nodes one walk may visit
 
 
@@ -223,7 +224,8 @@ def _walk(gm: fx.GraphModule, starts: list[fx.Node], forward: bool, gemms: set[f
             if n in starts:
                 nxt = [a for a in [n.args[0]] if isinstance(a, fx.Node)]  # only the token operand of a GEMM
             # a buffer filled in place (`buf[perm] = x`) carries the data of its writers
-            nxt += [u.args[2] for u in n.users if op_name(u) == "setitem" and u.args[0] is n and isinstance(u.args[2], fx.Node)]
+            nxt += [u.args[2] for u in n.users
+                    if op_name(u) == "setitem" and u.args[0] is n and isinstance(u.args[2], fx.Node)]
         stack.extend(x for x in nxt if isinstance(x, fx.Node))
     return list(found), hit_input
 

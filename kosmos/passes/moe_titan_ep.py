@@ -98,8 +98,8 @@ class TitanEpMatch:
     def record(self, impl: str, impl_reason: str) -> None:
         record(PassRecord(
             kind=KIND, graph=_GRAPH, rewritten=True,
-            reason=f"{_WHAT}: router ({self.router.text()}) + token-count exchange + dispatch/combine all_to_all_single "
-            "+ grouped_mm SwiGLU experts (w1, w3, w2) + fold -> kosmos::moe_layer"
+            reason=f"{_WHAT}: router ({self.router.text()}) + token-count exchange + dispatch/combine "
+            "all_to_all_single + grouped_mm SwiGLU experts (w1, w3, w2) + fold -> kosmos::moe_layer"
             + (" (returns router logits)" if self.with_logits else "")
             + f" (expert parallel: group {self.group_name}, {self.world_size} ranks)",
             nodes=tuple(n.name for n in self.nodes), shapes=self.shapes, impl=impl, impl_reason=impl_reason,
@@ -259,7 +259,8 @@ def _match(walk: _Walk, gemms: list[fx.Node]) -> TitanEpMatch:
     if _dtype(offs) != torch.int32:
         raise _NoMatch(f"{offs.name}: offsets in {_dtype(offs)}, expected int32")
     per_expert = walk.call(offs.args[0], ("sum",), "tokens per local expert")
-    _const((_arg(per_expert, 1, "dim"), _arg(per_expert, 2, "keepdim", False)), (0, False), "tokens per local expert sum")
+    _const((_arg(per_expert, 1, "dim"), _arg(per_expert, 2, "keepdim", False)), (0, False),
+           "tokens per local expert sum")
     by_rank = walk.call(per_expert.args[0], _VIEWS, "received counts by rank")
     recv_counts = by_rank.args[0]
     shape = _shape(by_rank)
@@ -281,7 +282,8 @@ def _match(walk: _Walk, gemms: list[fx.Node]) -> TitanEpMatch:
         raise _NoMatch(f"{flat_ids.name}: expected the top-k ids flattened, found {_shape(flat_ids)}")
     topk = walk.getitem(flat_ids.args[0], 1, "router top-k ids")
 
-    # local permute: perm = argsort(arange(E_loc).repeat(ep).repeat_interleave(recv_counts.view(-1))); h = received[perm]
+    # local permute: perm = argsort(arange(E_loc).repeat(ep).repeat_interleave(recv_counts.view(-1)));
+    # h = received[perm]
     h = _arg(ups[0], 0, "mat_a")
     walk.call(h, ("getitem",), "tokens by local expert")
     received, perm = h.args
@@ -348,12 +350,14 @@ def _match(walk: _Walk, gemms: list[fx.Node]) -> TitanEpMatch:
     # shapes, dtypes, group
     T, H = _shape(hidden) or (None, None)
     if _root(rh) is not _root(hidden) or _shape(rh) != _shape(hidden):
-        raise _NoMatch(f"router reads {rh.name} {_shape(rh)} but the dispatch sends rows of {hidden.name} {_shape(hidden)}")
+        raise _NoMatch(f"router reads {rh.name} {_shape(rh)} but the dispatch sends rows of "
+                       f"{hidden.name} {_shape(hidden)}")
     if _shape(view) != (T, top_k, H):
         raise _NoMatch(f"{view.name}: expected [T={T}, k={top_k}, H={H}], found {_shape(view)}")
     wdt = {_dtype(w) for w in (w1, w3, w2)}
     if len(wdt) != 1 or _dtype(hidden) not in wdt:
-        raise _NoMatch(f"hidden in {_dtype(hidden)}, w1/w3/w2 in {[_dtype(w) for w in (w1, w3, w2)]}: expected one dtype")
+        raise _NoMatch(f"hidden in {_dtype(hidden)}, w1/w3/w2 in {[_dtype(w) for w in (w1, w3, w2)]}: "
+                       "expected one dtype")
     (wdtype,) = wdt
     lt = _dtype(logits)
     if _dtype(product) != torch.promote_types(wdtype, lt):
@@ -375,7 +379,8 @@ def _match(walk: _Walk, gemms: list[fx.Node]) -> TitanEpMatch:
                        f"[E={num_experts} = {e_loc} local x {ep} ranks, H={H}]")
     names = {_arg(n, 3, "group_name") for n in (count_a2a, dispatch, combine)}
     if len(names) != 1 or not isinstance(next(iter(names)), str):
-        raise _NoMatch(f"the all_to_all_single collectives use groups {sorted(map(repr, names))}, expected one group name")
+        raise _NoMatch(f"the all_to_all_single collectives use groups {sorted(map(repr, names))}, "
+                       "expected one group name")
     (group_name,) = names
     try:
         from torch.distributed.distributed_c10d import _resolve_process_group

@@ -300,7 +300,8 @@ def find_all_gather(collective: fx.Node) -> Optional[Finding]:
     for m in matmuls:
         for inp in (m.weight, m.bias):
             if inp is not None and graph_edit.depends_on(inp, source, 0, pos):
-                return LeftAlone("ag_gemm", f"the operand {inp.name} of {m.node.name} depends on the gathered tensor", names)
+                return LeftAlone("ag_gemm", f"the operand {inp.name} of {m.node.name} depends on the gathered tensor",
+                                 names)
     bad = _static_weights((m.node, m.weight, m.bias) for m in matmuls)
     if bad:
         return LeftAlone("ag_gemm", bad, names)
@@ -330,13 +331,15 @@ def find_all_gather(collective: fx.Node) -> Optional[Finding]:
             observed.append(prober.run(rows).flatten())
             for e in ends:
                 if not torch.equal(prober.run(e).flatten(), observed[-1]):
-                    return LeftAlone("ag_gemm", f"{e.name} uses the gathered rows in another order than {rows.name}", names)
+                    return LeftAlone("ag_gemm", f"{e.name} uses the gathered rows in another order than {rows.name}",
+                                     names)
     except ProbeError as e:
         return LeftAlone("ag_gemm", str(e), names)
     layout = _find_gather_layout(views, world_size, observed, envs)
     if layout is None:
         why = " (at the hints and at a second admissible size)" if len(envs) > 1 else ""
-        return LeftAlone("ag_gemm", f"the matmul reads the gathered rows in an order that is no gather along a dim{why}", names)
+        return LeftAlone("ag_gemm", "the matmul reads the gathered rows in an order that is no gather "
+                         f"along a dim{why}", names)
     view, view_shape = views[layout[0]]
     match = AllGatherMatch(
         collective, waits, shard, view, view_shape, layout[1], world_size, group_name, chain, matmuls, served,
@@ -345,7 +348,8 @@ def find_all_gather(collective: fx.Node) -> Optional[Finding]:
     pos = graph_edit.positions(collective.graph)
     for n in match._reshaped():
         if graph_edit.size_args(shape_of(n), match.anchor(), pos, replaced=match._reshaped()) is None:
-            return LeftAlone("ag_gemm", f"no size nodes in the graph give the symbolic shape {shape_of(n)} of {n.name}", names)
+            return LeftAlone("ag_gemm", f"no size nodes in the graph give the symbolic shape {shape_of(n)} of {n.name}",
+                             names)
     return match
 
 
@@ -450,13 +454,15 @@ def find_reduce_scatter(collective: fx.Node) -> Optional[Finding]:
         return LeftAlone("gemm_rs", bad, names)
     for t in terms:
         if not isinstance(shape_of(t.input)[-1], int):
-            return LeftAlone("gemm_rs", f"the contracted dim of {t.matmul.name} is symbolic ({shape_of(t.input)[-1]})", names)
+            return LeftAlone("gemm_rs", f"the contracted dim of {t.matmul.name} is symbolic ({shape_of(t.input)[-1]})",
+                             names)
     root_shape = shape_of(root)
     mm_rows = shape_of(matmuls[0])[0]
     candidates = [s for s in [shape_of(c) for c in chain if c.target is not operator.getitem] if s and s[-1] == n]
     candidates = [root_shape] + candidates + [[mm_rows, n]]
     try:
-        envs = size_assignments([s for c in candidates for s in c] + shape_of(waits[0]), world_size, shape_env_of([x, root]))
+        envs = size_assignments([s for c in candidates for s in c] + shape_of(waits[0]), world_size,
+                                shape_env_of([x, root]))
         observed = []
         for env in envs:
             prober = Prober(n, env)
@@ -482,7 +488,8 @@ def find_reduce_scatter(collective: fx.Node) -> Optional[Finding]:
                         return LeftAlone("gemm_rs", f"no size nodes in the graph give the symbolic shape {shp}", names)
                 return match
     why = " (at the hints and at a second admissible size)" if len(envs) > 1 else ""
-    return LeftAlone("gemm_rs", f"the matmul output reaches the reduce-scatter in an order that is no chunking{why}", names)
+    return LeftAlone("gemm_rs", f"the matmul output reaches the reduce-scatter in an order that is no chunking{why}",
+                     names)
 
 
 def _numel(shape):
@@ -555,7 +562,8 @@ def _record_rewrite(kind: str, graph_name: str, fused: fx.Node, match) -> None:
         PassRecord(
             kind, graph_name, True, reason, (match.collective.name,), shapes,
             impl="per call" if symbolic else "reference" if why else "fused",
-            impl_reason="symbolic shapes: each call picks the fused or reference impl" if symbolic else why or "supported",
+            impl_reason=("symbolic shapes: each call picks the fused or reference impl" if symbolic
+                         else why or "supported"),
         )
     )
 
@@ -573,7 +581,9 @@ def run(graph: fx.Graph, graph_name: str, options: KosmosOptions) -> int:
             record(PassRecord(finding.kind, graph_name, False, finding.reason, finding.nodes, finding.shapes))
             continue
         if isinstance(finding, AllGatherMatch) and finding.cast_to is not None and not options.move_cast_before_gather:
-            record(PassRecord("ag_gemm", graph_name, False, "dtype cast between gather and matmul (move_cast_before_gather=False)", (finding.collective.name,)))
+            record(PassRecord("ag_gemm", graph_name, False,
+                              "dtype cast between gather and matmul (move_cast_before_gather=False)",
+                              (finding.collective.name,)))
             continue
         kind = "ag_gemm" if isinstance(finding, AllGatherMatch) else "gemm_rs"
         fused = finding.replace(graph)

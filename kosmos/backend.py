@@ -1,5 +1,5 @@
-"""The `kosmos` torch.compile backend: pre-grad passes on the Dynamo graph, \
-then Inductor with kosmos post-grad passes."""
+"""The `kosmos` torch.compile backend: pre-grad passes on the Dynamo graph, then Inductor
+with kosmos post-grad passes."""
 from __future__ import annotations
 
 import dataclasses

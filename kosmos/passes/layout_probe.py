@@ -157,8 +157,8 @@ def size_assignments(sizes: list[Size], world_size: int, shape_env) -> list[Assi
 
     The second assignment changes every symbol of `sizes` that its range lets change (first of
     h + W, 2h, h + 2W, 3h, h + 1, h - 1, chosen symbol by symbol) and satisfies every guard and
-    runtime assert of the shape env (see the module docstring); ProbeError if a symbol has no hint or \
-no second assignment is found."""
+    runtime assert of the shape env (see the module docstring); ProbeError if a symbol has no hint or
+    no second assignment is found."""
     syms = set()
     for s in sizes:
         if isinstance(s, sympy.Expr):

@@ -1,7 +1,6 @@
 """Tile configs of the fused MoE forward (kosmos.kernels.moe.moe_forward) on one layer's dims: each config's
-median time (measure.bench_calls: 10+ calls, L2 flushed), its output checked
-bit-identical to the default config's or within bf16 tolerance (a different BK changes the sum order), and the
-router + routing timed alone as a floor.
+median time (measure.bench_calls: 10+ calls, L2 flushed), its output checked bit-identical to the default config's or
+within bf16 tolerance (a different BK changes the sum order), and the router + routing timed alone as a floor.
 
     PYTHONPATH=. python3 benchmarks/moe_configs.py --layer qwen3_235b --T 16384 --configs default,bi128,bi128_s4
 """

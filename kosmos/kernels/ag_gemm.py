@@ -120,11 +120,11 @@ def out_desc(o_base, rows, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EPIL
                                          block_shape=[BLOCK_M, BLOCK_N])
 
 
-@triton.jit(do_not_specialize=["err_host", "n_tasks", "rank_base", "world", "timeout_ns", "straggle_rank", "straggle_ns",
-                               "drop_rank", "drop_task", "has_b0", "has_b1", "has_b2", "has_b3"],
+@triton.jit(do_not_specialize=["err_host", "n_tasks", "rank_base", "world", "timeout_ns", "straggle_rank",
+                               "straggle_ns", "drop_rank", "drop_task", "has_b0", "has_b1", "has_b2", "has_b3"],
             do_not_specialize_on_alignment=["m", "seg", "n0", "n1", "n2", "n3", "a_rs", "g_rs", "w_rs0", "w_rs1",
-                                            "w_rs2", "w_rs3", "b_rs0", "b_rs1", "b_rs2", "b_rs3", "o_rs0", "o_rs1", "o_rs2",
-                                            "o_rs3", "flags_off", "data_off"])
+                                            "w_rs2", "w_rs3", "b_rs0", "b_rs1", "b_rs2", "b_rs3", "o_rs0", "o_rs1",
+                                            "o_rs2", "o_rs3", "flags_off", "data_off"])
 def ag_gemm_kernel(stream_ptr, n_tasks, ws_table, err_host, rank_base, world,
                    a_ptr, a_rs, a_ld, m, K, seg,
                    g_ptr, g_rs,
@@ -438,7 +438,8 @@ def launch(ws: runtime.Workspace, rank_base: int, a: _RankTensor, m: int, K: int
         raise ValueError(f"epilogue must be 'tma' or 'store', got {epilogue!r}")
     if epilogue == "store" and m * max(ns) >= 2**31:
         epilogue = "tma"  # the plain-store epilogue indexes a chunk with int32 offsets
-    meta = dict(NW=nw, B_TRANS=b_trans, C_ONCE=(nw == 1 and m % BM == 0), EPILOGUE_TMA=epilogue == "tma", BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+    meta = dict(NW=nw, B_TRANS=b_trans, C_ONCE=(nw == 1 and m % BM == 0), EPILOGUE_TMA=epilogue == "tma",
+                BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                 EPILOGUE_SUBTILE=cfg.epilogue_subtile, DOT_PRECISION="tf32",
                 COPY_ROWS=COPY_ROWS, COPY_COLS=COPY_COLS, USE_ASM=not interp,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)

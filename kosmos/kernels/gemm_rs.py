@@ -53,8 +53,8 @@ def pair_descs(x_ptr, x_rs, x_ld, k, w_ptr, w_rs, w_ld, rank64, M, N,
     return x_desc, w_desc
 
 
-@triton.jit(do_not_specialize=["err_host", "n_tasks", "rank_base", "world", "timeout_ns", "straggle_rank", "straggle_ns",
-                               "drop_rank", "drop_task", "has_bias"],
+@triton.jit(do_not_specialize=["err_host", "n_tasks", "rank_base", "world", "timeout_ns", "straggle_rank",
+                               "straggle_ns", "drop_rank", "drop_task", "has_bias"],
             do_not_specialize_on_alignment=["mo", "seg", "N", "x_rs0", "x_rs1", "x_rs2", "x_rs3", "w_rs0", "w_rs1",
                                             "w_rs2", "w_rs3", "bias_rs", "out_rs", "flags_off", "data_off"])
 def gemm_rs_kernel(stream_ptr, n_tasks, ws_table, err_host, rank_base, world,

@@ -276,10 +276,10 @@ def moe_ep_backward_kernel(ws_table, err_host, rank_base, world, lctl, lctl_rs, 
                 elif t < wr0:  # ---- FOLD at home
                     status = _wait_all(f_combine, world, epoch, err, timeout_ns, USE_ASM)
                     if status == 0:
-                        _fold_tile(t - fold0, ids_ptr, rank_ptr, counts, logits, ws_ptr(my_base, comb_dw_off, tl.float32),
-                                   ws_ptr(my_base, comb_x_off, WD), glog, rw, rw_ld, dl_ws, d_hidden, dh_ld, T, H, E,
-                                   n_hblk, rsf, eps, SIGMOID, SD_ROUND, NORM, SCALED, HAS_GLOG, TOP_K, KP, BT, BLOCK_E,
-                                   BH, ROUTER_PRECISION)
+                        _fold_tile(t - fold0, ids_ptr, rank_ptr, counts, logits,
+                                   ws_ptr(my_base, comb_dw_off, tl.float32), ws_ptr(my_base, comb_x_off, WD), glog,
+                                   rw, rw_ld, dl_ws, d_hidden, dh_ld, T, H, E, n_hblk, rsf, eps, SIGMOID, SD_ROUND,
+                                   NORM, SCALED, HAS_GLOG, TOP_K, KP, BT, BLOCK_E, BH, ROUTER_PRECISION)
                         if skip == 0:
                             _signal(lc + L_FOLDED, USE_ASM)
                 elif t < wr0 + n_rh:  # ---- WROUTER

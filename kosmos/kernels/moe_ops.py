@@ -58,8 +58,8 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _MODES = {"forward": ("forward",), "1": ("forward", "backward"), "0": ()}
 FP32_ROUTER_REASON = (f"fp32 router on 16-bit hidden states under expert parallelism: the fused EP forward with this "
-                      f"router has not been timed against this reference impl (without EP it is faster since its router "
-                      f"runs tf32x3); {ENV}=forward forces it")
+                      f"router has not been timed against this reference impl (without EP it is faster since its "
+                      f"router runs tf32x3); {ENV}=forward forces it")
 
 
 def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:

@@ -439,8 +439,7 @@ def launch(ws: runtime.Workspace, rank_base: int, a: _RankTensor, m: int, K: int
     if epilogue == "store" and m * max(ns) >= 2**31:
         epilogue = "tma"  # the plain-store epilogue indexes a chunk with int32 offsets
     meta = dict(NW=nw, B_TRANS=b_trans, C_ONCE=(nw == 1 and m % BM == 0), EPILOGUE_TMA=epilogue == "tma",
-                BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                EPILOGUE_SUBTILE=cfg.epilogue_subtile, DOT_PRECISION="tf32",
+                BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, EPILOGUE_SUBTILE=cfg.epilogue_subtile, DOT_PRECISION="tf32",
                 COPY_ROWS=COPY_ROWS, COPY_COLS=COPY_COLS, USE_ASM=not interp,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if remap:

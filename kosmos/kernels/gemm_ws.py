@@ -26,8 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
 
-# the CTA-wide barrier: gl.thread_barrier on triton 3.6, gl.barrier on 3.8 (torch 2.14's triton), which dropped the
-# other
+# the CTA-wide barrier: gl.thread_barrier on triton 3.6, gl.barrier on 3.8 (torch 2.14's triton, which dropped
+# gl.thread_barrier)
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 # the TMA copies: async_copy_global_to_shared / async_copy_shared_to_global up to triton 3.8, async_load / async_store
 # from 3.9 (where the old names raise); the same arguments

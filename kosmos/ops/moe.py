@@ -133,7 +133,7 @@ from typing import Optional
 
 import torch
 
-from kosmos.ops import dispatch, split_mm
+from kosmos.ops import dispatch, split_mm, version_bump
 from kosmos.ops.moe_math import (_SortedPairs, _experts_any, _experts_backward_any, _fold_saved, _grouped_mm,
                                  _replicated_backward, _replicated_forward, _route_forward, _router_d_logits,
                                  _router_param_grads, ep_experts, experts, experts_backward_saved_rows, route,
@@ -488,6 +488,8 @@ def _moe_layer_backward_fake(grad_out, grad_router_logits, hidden, router_weight
     grads = [torch.empty_like(t) if t is not None else None for t in like]
     return _backward_outputs(grads, router_weight, _grads_needed(grads_needed, router_bias), like)
 
+
+version_bump.install(torch.ops.kosmos.moe_layer_backward.default, "saved_up")
 
 _LAYER_SCALARS = ("top_k", "scoring", "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
                   "router_dtype", "activation", "return_router_logits", "ep_group_name", "ep_world_size", "ep_mode",

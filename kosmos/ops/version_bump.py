@@ -1,0 +1,58 @@
+"""A mutable custom op's ADInplaceOrView kernel without torch's per-call walk of the schema.
+
+torch.library.custom_op gives an op with mutates_args a Python ADInplaceOrView kernel that bumps the mutated
+arguments' version counters. Since pytorch#180621 (torch 2.12 on) that kernel first fills every defaulted argument
+(`torch._library.utils.fill_defaults`), which reads `schema.arguments` once per argument: quadratic in the argument
+count. For kosmos::moe_layer_backward (24 arguments) that was 150 us of host time per call on a 2-core CI host, more
+than any other piece of a compiled MoE step's host path (RESULTS.md, seventy-fourth session). pytorch#186175 takes
+it back out; until every supported torch has that, the kernel here does what torch's does for a non-view op (bump,
+then redispatch past ADInplaceOrView) with the mutated argument's position found once.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+log = logging.getLogger("kosmos")
+
+_libs: list = []  # the registrations live as long as these Library objects
+
+
+def install(op: torch._ops.OpOverload, mutated: str) -> bool:
+    """Registers the cheap ADInplaceOrView kernel for `op`, a non-view op that mutates its argument named `mutated`
+    (and no other). Returns False, leaving torch's kernel, where this torch has no keyset to redispatch past the key
+    or refuses a second Python kernel for it (logged)."""
+    schema = op._schema
+    names = [a.name for a in schema.arguments]
+    written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if schema._is_view_op() or written != [mutated]:
+        raise ValueError(f"kosmos version_bump: {schema.name} must be a non-view op mutating {mutated} alone, "
+                         f"it mutates {written}")
+    after = getattr(torch._C, "_after_ADInplaceOrView_keyset", None)
+    if after is None:
+        log.info("kosmos: %s keeps torch's version-bump kernel (no _after_ADInplaceOrView_keyset)", schema.name)
+        return False
+    index = names.index(mutated)
+
+    def bump(keyset, *args, **kwargs):
+        # the dispatcher leaves out trailing arguments equal to their defaults: an omitted one is None, unversioned
+        value = args[index] if index < len(args) else kwargs.get(mutated)
+        if isinstance(value, torch.Tensor):
+            torch.autograd.graph.increment_version(value)
+        return op.redispatch(keyset & after, *args, **kwargs)
+
+    namespace, name = schema.name.split("::")
+    lib = torch.library.Library(namespace, "FRAGMENT")  # noqa: TOR901
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+            warnings.filterwarnings("ignore", message="Warning only once for all operators")
+            lib.impl(name, bump, "ADInplaceOrView", with_keyset=True)
+    except RuntimeError as e:
+        lib._destroy()
+        log.info("kosmos: %s keeps torch's version-bump kernel (%s)", schema.name, str(e).splitlines()[0])
+        return False
+    _libs.append(lib)
+    return True

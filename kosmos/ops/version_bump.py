@@ -1,12 +1,12 @@
 """A mutable custom op's ADInplaceOrView kernel without torch's per-call walk of the schema.
 
 torch.library.custom_op gives an op with mutates_args a Python ADInplaceOrView kernel that bumps the mutated
-arguments' version counters. Since pytorch#180621 (torch 2.12 on) that kernel first fills every defaulted argument
-(`torch._library.utils.fill_defaults`), which reads `schema.arguments` once per argument: quadratic in the argument
-count. For kosmos::moe_layer_backward (24 arguments) that was 150 us of host time per call on a 2-core CI host, more
-than any other piece of a compiled MoE step's host path (RESULTS.md, seventy-fourth session). pytorch#186175 takes
-it back out; until every supported torch has that, the kernel here does what torch's does for a non-view op (bump,
-then redispatch past ADInplaceOrView) with the mutated argument's position found once.
+arguments' version counters. Since pytorch#180621 (torch 2.13 has it) that kernel first fills every defaulted
+argument (`torch._library.utils.fill_defaults`), which reads `schema.arguments` once per argument: quadratic in the
+argument count. For kosmos::moe_layer_backward (24 arguments) that took 131-163 us per call on a 2-core CI host, the
+largest Python cost of a compiled MoE step there (RESULTS.md, seventy-fourth session). pytorch#186175 takes it back
+out; until every supported torch has that, the kernel here does what torch's does for a non-view op (bump, then
+redispatch past ADInplaceOrView) with the mutated argument's position found once.
 """
 from __future__ import annotations
 

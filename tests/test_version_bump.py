@@ -33,7 +33,7 @@ def test_moe_layer_backward_bumps_saved_up_alone():
 
 
 def test_moe_layer_backward_walks_no_schema(monkeypatch):
-    """torch >= 2.12's own kernel calls fill_defaults on every call; kosmos's kernel must not (where installed)."""
+    """torch 2.13's own kernel calls fill_defaults on every call; kosmos's kernel, installed there, must not."""
     import torch._library.utils as library_utils
 
     def walked(*a, **k):
@@ -55,6 +55,25 @@ def _scaled_into(x: torch.Tensor, scale: float, out: Optional[torch.Tensor] = No
     if out is not None:
         out.copy_(x * scale)
     return x * scale
+
+
+@torch.library.custom_op("kosmos_test::scaled_into_torch_kernel", mutates_args=("out",))
+def _scaled_into_torch_kernel(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x)
+
+
+def test_walk_detected_as_torch_runs_it(monkeypatch):
+    """torch_kernel_walks_schema (which decides whether moe.py installs the kernel) says what torch's own kernel does
+    on this torch: a mutable op left with torch's kernel calls fill_defaults exactly when it says so."""
+    import torch._library.utils as library_utils
+
+    calls = []
+    real = library_utils.fill_defaults
+    monkeypatch.setattr(library_utils, "fill_defaults", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = torch.zeros(3)
+    v = out._version
+    torch.ops.kosmos_test.scaled_into_torch_kernel(torch.ones(3), out)
+    assert out._version > v and bool(calls) == version_bump.torch_kernel_walks_schema()
 
 
 def test_omitted_mutated_argument_and_kwargs():

@@ -489,7 +489,8 @@ def _moe_layer_backward_fake(grad_out, grad_router_logits, hidden, router_weight
     return _backward_outputs(grads, router_weight, _grads_needed(grads_needed, router_bias), like)
 
 
-version_bump.install(torch.ops.kosmos.moe_layer_backward.default, "saved_up")
+if version_bump.torch_kernel_walks_schema():
+    version_bump.install(torch.ops.kosmos.moe_layer_backward.default, "saved_up")
 
 _LAYER_SCALARS = ("top_k", "scoring", "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
                   "router_dtype", "activation", "return_router_logits", "ep_group_name", "ep_world_size", "ep_mode",
